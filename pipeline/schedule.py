@@ -69,13 +69,6 @@ class ChunkStep:
     def name(self) -> str:
         return f"{self.kind.value}{self.index}"
 
-    @property
-    def ordinal(self) -> int:
-        """Position of the step in execution order (N0=0, N1=1, I0=2, N2=3, I1=4, …)."""
-        if self.kind is ChunkKind.N:
-            return 0 if self.index == 0 else 2 * self.index - 1
-        return 2 * self.index + 2
-
     def known_mask(self) -> list[bool]:
         """Per window frame: True where the frame is given clean."""
         known = set(self.known)
