@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
-from models.presets import PRESETS, AudioConfig, DiTConfig, ModelPreset, SRConfig, TextConfig, VAEConfig, get_preset
+from models.presets import (
+    PRESETS,
+    AudioConfig,
+    DiTConfig,
+    ModelPreset,
+    SRConfig,
+    TextConfig,
+    VAEConfig,
+    get_preset,
+)
 
 __all__ = ["PRESETS", "AudioConfig", "DiTConfig", "ModelPreset", "SRConfig", "TextConfig", "VAEConfig", "get_preset"]
