@@ -144,3 +144,24 @@ def grid_positions(h: int, w: int, device: torch.device | None = None) -> Tensor
 
 def count_parameters(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
+
+
+def sincos_2d(pos_N2: Tensor, dim: int) -> Tensor:
+    """Fixed 2D sin-cos embedding ``(N, dim)`` of (row, column) positions; size-agnostic, no parameters."""
+    quarter = dim // 4
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(quarter, device=pos_N2.device, dtype=torch.float32) / quarter)
+    parts = []
+    for axis in range(2):
+        a = pos_N2[:, axis, None].float() * freqs
+        parts.extend([a.sin(), a.cos()])
+    emb = torch.cat(parts, dim=-1)
+    return F.pad(emb, (0, dim - emb.shape[-1]))
+
+
+def reference_tokens(embed: nn.Linear, ref_BCHW: Tensor, p: int) -> Tensor:
+    """Patchify a reference latent, embed each patch, add a fixed 2D position: ``(B, (H/p)(W/p), D)``."""
+    H, W = ref_BCHW.shape[-2:]
+    if H % p or W % p:
+        raise ValueError(f"ref_BCHW: size {H}x{W} not divisible by the reference patch size {p}")
+    ref = embed(patchify(ref_BCHW, p))
+    return ref + sincos_2d(grid_positions(H // p, W // p, ref.device), ref.shape[-1]).to(ref.dtype)
