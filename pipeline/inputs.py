@@ -67,11 +67,12 @@ def load_reference_image(path: Path, height: int, width: int) -> np.ndarray:
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise _image_error(
             path,
-            f"is too large to decode safely ({e})",
-            f"use an image of at most {MAX_IMAGE_SIDE}x{MAX_IMAGE_SIDE} pixels",
+            f"is too large to decode safely, larger than the maximum of {MAX_IMAGE_SIDE} per side and "
+            f"{MAX_IMAGE_PIXELS} pixels ({e})",
+            f"downscale it to at most {MAX_IMAGE_SIDE}x{MAX_IMAGE_SIDE}",
         ) from e
     except UnidentifiedImageError as e:
-        raise _image_error(path, "is not an image Pillow can read (unknown or corrupt format)") from e
+        raise _image_error(path, "is not a recognised image (unknown format or not an image at all)") from e
     except (OSError, SyntaxError, ValueError, EOFError) as e:
         raise _image_error(path, f"is corrupt or truncated ({e})", "re-export the image") from e
     src_w, src_h = rgb.size
