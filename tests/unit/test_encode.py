@@ -4,6 +4,7 @@ available immediately, and a resumed encoder reproduces an interrupted one byte 
 from __future__ import annotations
 
 import json
+import struct
 import subprocess
 import time
 from collections.abc import Iterator
@@ -233,3 +234,96 @@ def test_encodes_much_faster_than_real_time() -> None:
     enc.encode(frames[25:], first_frame=25, index=1, is_last=True)
     elapsed = time.perf_counter() - start
     assert elapsed < 2.0 / 2, f"encoding 2 s of 256x256 video took {elapsed:.2f} s"
+
+
+def walk_boxes(data: bytes, start: int = 0, end: int | None = None) -> list[tuple[bytes, int, int]]:
+    """(type, offset, size) of the boxes tiling data[start:end]; asserts they tile it exactly."""
+    end = len(data) if end is None else end
+    boxes, pos = [], start
+    while pos < end:
+        size, kind = struct.unpack(">I4s", data[pos : pos + 8])
+        assert size >= 8 and pos + size <= end, f"box {kind!r} at {pos} overruns its parent"
+        boxes.append((kind, pos, size))
+        pos += size
+    assert pos == end
+    return boxes
+
+
+CONTAINERS = {b"moov", b"trak", b"mdia", b"minf", b"stbl", b"dinf", b"mvex", b"moof", b"traf"}
+
+
+def box_tree(data: bytes, start: int = 0, end: int | None = None) -> dict[bytes, list[tuple[int, int]]]:
+    """Every box by type (nested containers flattened), with (offset, size)."""
+    found: dict[bytes, list[tuple[int, int]]] = {}
+    for kind, pos, size in walk_boxes(data, start, end):
+        found.setdefault(kind, []).append((pos, size))
+        if kind in CONTAINERS:
+            for k, v in box_tree(data, pos + 8, pos + size).items():
+                found.setdefault(k, []).extend(v)
+    return found
+
+
+def test_box_structure_is_exact(audio: AudioSource) -> None:
+    """An independent check of what lenient demuxers would forgive: boxes nest exactly, the brands
+    players look for are there, and each trun's data offset and sample sizes cover the mdat exactly."""
+    enc = FragmentEncoder(W, H, FPS, audio)
+    init = enc.init_segment.data
+    tree = box_tree(init)
+    assert [k for k, _, _ in walk_boxes(init)] == [b"ftyp", b"moov"]
+    assert init[8:12] == b"iso6" and all(b in init[16:40] for b in (b"iso6", b"cmfc", b"mp41", b"isom"))
+    for kind in (b"mvhd", b"tkhd", b"mdhd", b"hdlr", b"stsd", b"avc1", b"avcC", b"mp4a", b"esds", b"trex"):
+        assert kind in init, kind
+    assert len(tree[b"trak"]) == 2 and len(tree[b"trex"]) == 2
+    for index, first, count in emissions(30, [12]):
+        data = enc.encode(
+            pattern(first, count), first_frame=first, index=index, is_last=first + count >= 30
+        ).data
+        top = walk_boxes(data)
+        assert [k for k, _, _ in top] == [b"moof", b"mdat"]
+        moof_size, (_, mdat_pos, mdat_size) = top[0][2], top[1]
+        tree = box_tree(data)
+        (mfhd_pos, _), *_ = tree[b"mfhd"]
+        assert struct.unpack(">I", data[mfhd_pos + 12 : mfhd_pos + 16])[0] == index + 1
+        covered = []
+        for (tfdt_pos, _), (trun_pos, _) in zip(tree[b"tfdt"], tree[b"trun"], strict=True):
+            base = struct.unpack(">Q", data[tfdt_pos + 12 : tfdt_pos + 20])[0]
+            flags = struct.unpack(">I", data[trun_pos + 8 : trun_pos + 12])[0] & 0xFFFFFF
+            count_, offset = struct.unpack(">Ii", data[trun_pos + 12 : trun_pos + 20])
+            per = 4 * bin(flags & 0xF00).count("1")
+            sizes = [
+                struct.unpack(">I", data[trun_pos + 24 + i * per : trun_pos + 28 + i * per])[0]
+                for i in range(count_)
+            ]
+            covered.append((offset, offset + sum(sizes)))
+            if len(covered) == 1:  # video
+                assert base == first * 90000 // FPS and count_ == count
+        assert covered[0][0] == moof_size + 8 and covered[-1][1] == mdat_pos + mdat_size
+        assert all(
+            a[1] == b[0] for a, b in zip(covered[:-1], covered[1:], strict=True)
+        )  # contiguous, no gaps or overlap
+
+
+def test_demo_inputs_encode_faster_than_real_time(tmp_path: Path) -> None:
+    """The real demo inputs end to end: 256x256 still frames of the reference image + 10 s of speech."""
+    demo = Path(__file__).resolve().parents[2] / "assets" / "demo"
+    from pipeline.inputs import load_reference_image
+
+    face = load_reference_image(demo / "reference.png", 256, 256)
+    with AudioSource.open(demo / "speech.wav") as speech:
+        assert 8.0 < speech.duration_s < 12.0
+        num_frames = int(np.ceil(speech.duration_s * FPS))
+        enc = FragmentEncoder(256, 256, FPS, speech)
+        out = tmp_path / "demo.mp4"
+        start = time.perf_counter()
+        with out.open("wb") as f:
+            f.write(enc.init_segment.data)
+            for index, first, count in emissions(num_frames, [25]):
+                frames = np.repeat(face[None], count, axis=0)
+                frames[:, 180:200, 100:156] = (first * 7) % 256  # a "mouth" that changes per fragment
+                last = first + count >= num_frames
+                f.write(enc.encode(frames, first_frame=first, index=index, is_last=last).data)
+        elapsed = time.perf_counter() - start
+        duration = speech.duration_s
+    info = ffprobe(out)
+    assert abs(float(info["format"]["duration"]) - duration) <= 1 / FPS
+    assert elapsed < duration, f"{duration:.1f} s of video took {elapsed:.1f} s to encode"
