@@ -135,14 +135,17 @@ class AudioSource:
     """The driving audio, decoded once, mono float32 at two rates, on disk.
 
     Created by the worker/CLI with :meth:`open` before the render, read by the audio-feature stage
-    (``model_rate``) and the encoder (``output_rate``), closed (temp files deleted) after the render.
-    :meth:`read` returns copies, so callers never hold the memmap.
+    (``model_rate``) and the encoder (``output_rate``), closed after the render. :meth:`read` returns
+    copies, so callers never hold the memmap. On POSIX the temp files are unlinked as soon as they are
+    mapped: the disk space lives exactly as long as the mapping, and a killed worker leaks nothing.
+    Elsewhere they are deleted by :meth:`close`.
     """
 
     def __init__(self, path: Path, tracks: dict[int, np.memmap], files: list[Path]) -> None:
         self.path = path
         self._tracks = tracks
         self._files = files
+        self._closed = False
 
     @classmethod
     def open(cls, path: Path, model_rate: int = 16000, output_rate: int = 48000) -> AudioSource:
@@ -171,6 +174,10 @@ class AudioSource:
                         path, "contains no audio samples (zero length)", "use a non-empty recording"
                     )
                 tracks[rate] = np.memmap(file, dtype=np.float32, mode="r", shape=(n,))
+            if os.name == "posix":
+                for file in files:
+                    file.unlink()
+                files = []
         except BaseException:
             for f in writers.values():
                 f.close()
@@ -201,6 +208,8 @@ class AudioSource:
         return out
 
     def close(self) -> None:
+        """Release the mappings (and with them the disk space). Idempotent."""
+        self._closed = True
         self._tracks.clear()  # drop the memmaps before unlinking (Windows would refuse otherwise)
         for file in self._files:
             file.unlink(missing_ok=True)
@@ -215,9 +224,9 @@ class AudioSource:
         self.close()
 
     def _track(self, rate: int) -> np.memmap:
+        if self._closed:
+            raise ValueError(f"AudioSource({str(self.path)!r}) is closed")
         if rate not in self._tracks:
-            if not self._files:
-                raise ValueError("AudioSource is closed")
             raise ValueError(f"audio was decoded at {sorted(self._tracks)} Hz, not {rate} Hz")
         return self._tracks[rate]
 

@@ -48,7 +48,9 @@ def draw_face(size: int = SIZE) -> Image.Image:
         d.ellipse(box(cx - 14, 118, cx + 14, 136), fill=(255, 255, 255))  # eye whites
         d.ellipse(box(cx - 6, 121, cx + 6, 133), fill=(60, 40, 30))  # iris
         d.ellipse(box(cx - 2, 124, cx + 2, 128), fill=(255, 255, 255))  # highlight
-        d.line([(cx - 16 * s, 108 * s), (cx + 14 * s, 104 * s)], fill=(80, 50, 30), width=max(1, round(4 * s)))
+        d.line(
+            [(cx - 16 * s, 108 * s), (cx + 14 * s, 104 * s)], fill=(80, 50, 30), width=max(1, round(4 * s))
+        )
     d.polygon([(128 * s, 136 * s), (120 * s, 164 * s), (134 * s, 164 * s)], fill=(220, 170, 140))  # nose
     d.chord(box(106, 172, 150, 196), 0, 180, fill=(170, 60, 70))  # mouth
     d.line([(108 * s, 180 * s), (148 * s, 180 * s)], fill=(120, 40, 50), width=max(1, round(2 * s)))
@@ -64,7 +66,9 @@ def make_speech(out: Path, text: str = SPEECH_TEXT) -> None:
         subprocess.run([*ESPEAK_CMD, str(raw), text], check=True)
         subprocess.run([*FFMPEG_CMD, str(raw), *FFMPEG_OUT, str(out)], check=True)
     with wave.open(str(out)) as w:
-        print(f"{out}: {w.getnframes() / w.getframerate():.2f} s, {w.getframerate()} Hz, {w.getnchannels()} ch")
+        print(
+            f"{out}: {w.getnframes() / w.getframerate():.2f} s, {w.getframerate()} Hz, {w.getnchannels()} ch"
+        )
 
 
 def main() -> int:

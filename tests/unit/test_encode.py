@@ -168,7 +168,8 @@ def test_resumed_encoder_reproduces_fragments_byte_for_byte(audio: AudioSource) 
 
 def test_first_fragment_is_complete_when_encode_returns(audio: AudioSource, tmp_path: Path) -> None:
     enc = FragmentEncoder(W, H, FPS, audio)
-    first = enc.encode(pattern(0, 10), first_frame=0, index=0, is_last=False)
+    first = enc.encode(pattern(0, 10), first_frame=0, index=0, is_last=False, resume_state=b"state-after-0")
+    assert first.resume_state == b"state-after-0" and first.index == 0 and not first.is_last
     assert first.data[4:8] == b"moof" and first.num_frames == 10 and first.duration_s == pytest.approx(0.4)
     path = tmp_path / "first.mp4"
     path.write_bytes(enc.init_segment.data + first.data)
@@ -225,15 +226,15 @@ def test_rejects_bad_settings_and_frames(audio: AudioSource) -> None:
 
 
 def test_encodes_much_faster_than_real_time() -> None:
-    """256x256 at 25 fps on one thread (the CI machine is shared, so the bound is loose; the measured
-    figure is in docs/media.md)."""
+    """256x256 at 25 fps on one x264 thread. CPU time, not wall time: the CI machine is shared, and
+    other processes must not make this fail. The measured figures are in docs/media.md."""
     enc = FragmentEncoder(256, 256, FPS, None, threads=1)
     frames = pattern(0, 50, 256, 256)
-    start = time.perf_counter()
+    start = time.process_time()
     enc.encode(frames[:25], first_frame=0, index=0, is_last=False)
     enc.encode(frames[25:], first_frame=25, index=1, is_last=True)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 2.0 / 2, f"encoding 2 s of 256x256 video took {elapsed:.2f} s"
+    cpu = time.process_time() - start
+    assert cpu < 2.0 / 3, f"encoding 2 s of 256x256 video took {cpu:.2f} s of CPU, less than 3x real time"
 
 
 def walk_boxes(data: bytes, start: int = 0, end: int | None = None) -> list[tuple[bytes, int, int]]:
@@ -314,7 +315,7 @@ def test_demo_inputs_encode_faster_than_real_time(tmp_path: Path) -> None:
         num_frames = int(np.ceil(speech.duration_s * FPS))
         enc = FragmentEncoder(256, 256, FPS, speech)
         out = tmp_path / "demo.mp4"
-        start = time.perf_counter()
+        start = time.process_time()
         with out.open("wb") as f:
             f.write(enc.init_segment.data)
             for index, first, count in emissions(num_frames, [25]):
@@ -322,8 +323,8 @@ def test_demo_inputs_encode_faster_than_real_time(tmp_path: Path) -> None:
                 frames[:, 180:200, 100:156] = (first * 7) % 256  # a "mouth" that changes per fragment
                 last = first + count >= num_frames
                 f.write(enc.encode(frames, first_frame=first, index=index, is_last=last).data)
-        elapsed = time.perf_counter() - start
+        elapsed = time.process_time() - start
         duration = speech.duration_s
     info = ffprobe(out)
     assert abs(float(info["format"]["duration"]) - duration) <= 1 / FPS
-    assert elapsed < duration, f"{duration:.1f} s of video took {elapsed:.1f} s to encode"
+    assert elapsed < duration / 2, f"{duration:.1f} s of video took {elapsed:.1f} s of CPU to encode"
