@@ -42,10 +42,9 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def _sink_error(what: str, path: Path, e: OSError) -> SinkError:
-    err = SinkError(f"{what} {str(path)!r} failed: {e.strerror or e}; check free space and permissions")
-    # A full disk or a read-only mount will not heal by retrying the same attempt immediately, but a
-    # retried job may run elsewhere, so leave SinkError's retryable default alone.
-    return err
+    # Stays retryable (SinkError's default): a full disk or read-only mount may not be there when the
+    # job is retried, possibly on another machine.
+    return SinkError(f"{what} {str(path)!r} failed: {e.strerror or e}; check free space and permissions")
 
 
 class FileSink:
