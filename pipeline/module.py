@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 
 import torch
@@ -25,7 +25,7 @@ from pipeline.errors import ModuleLoadError
 log = logging.getLogger(__name__)
 
 
-class Residency(str, Enum):
+class Residency(StrEnum):
     UNLOADED = "unloaded"
     RESIDENT = "resident"
     PARKED = "parked"

@@ -32,9 +32,6 @@ class FragmentEncoderLike:  # the part of pipeline.encode.FragmentEncoder the pu
                resume_state: bytes | None) -> Fragment:  # pragma: no cover - protocol
         raise NotImplementedError
 
-    def close(self) -> None:  # pragma: no cover - protocol
-        raise NotImplementedError
-
 
 @dataclass
 class _Item:
@@ -105,7 +102,6 @@ class Publisher:
                 log.error("sink %s failed to close: %s", type(sink).__name__, exc)
                 close_error = close_error or exc
         self._opened.clear()
-        self.encoder.close()
         if self._error is not None:
             raise self._error
         if close_error is not None:

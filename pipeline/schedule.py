@@ -22,14 +22,14 @@ The plan is consumed by the pipeline and by the resume logic of the worker, both
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 
 class PlanError(ValueError):
     """A chunk-plan parameter is out of range; the message names the field and the fix."""
 
 
-class ChunkKind(str, Enum):
+class ChunkKind(StrEnum):
     N = "N"
     I = "I"  # noqa: E741 - the write-up's name for interpolation chunks
 

@@ -17,15 +17,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from enum import Enum
-from typing import Generic, ClassVar, TypeVar, cast
+from enum import StrEnum
+from typing import ClassVar, Generic, TypeVar, cast
 
 from pipeline.errors import PipelineBuildError
 
 T = TypeVar("T")
 
 
-class Scope(str, Enum):
+class Scope(StrEnum):
     JOB = "job"
     CHUNK = "chunk"
 
@@ -82,7 +82,7 @@ class Values:
         return sorted(self._chunk)
 
 
-class Phase(str, Enum):
+class Phase(StrEnum):
     STEP = "step"  # runs once per plan step (N or I chunk)
     EMISSION = "emission"  # runs once per emission (a timeline range made final)
 

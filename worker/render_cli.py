@@ -15,8 +15,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from pipeline.errors import RenderError
+from pipeline.inputs import validate_hls_directory, validate_output_path
 from pipeline.render import RenderProgress, RenderRequest, render
-from pipeline.sinks import FileSink, HLSDirectorySink, validate_output_path
+from pipeline.sinks import FileSink, HLSDirectorySink
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         out = validate_output_path(args.out)
         sinks = [FileSink(out)]
         if args.hls is not None:
-            sinks.append(HLSDirectorySink(args.hls))
+            sinks.append(HLSDirectorySink(validate_hls_directory(args.hls)))
         request = RenderRequest(image=args.image, audio=args.audio, text=args.text, seed=args.seed,
                                 preset=args.preset, checkpoint=args.checkpoint)
         bar: tqdm | None = None

@@ -66,9 +66,12 @@ def test_resume_from_any_emission_equals_uninterrupted(speech) -> None:  # type:
     request = RenderRequest(image=DEMO_IMAGE, audio=speech(2.0), seed=5)  # 50 frames, 4 emissions
     full, sink = _frames(request)
     assert len(sink.fragments) == 4
+    # after N0 the state has no left anchor yet; from then on its size is fixed by the chunk shape
+    sizes = [len(f.resume_state or b"") for f in sink.fragments[:-1]]
+    assert sizes[0] <= sizes[1] == sizes[-1] < 4 * 2**20, f"snapshot must be small and constant: {sizes}"
     for j in (0, 2):
         state = sink.fragments[j].resume_state
-        assert state is not None and len(state) < 256 * 1024, "snapshot must stay small"
+        assert state is not None
         rest, resumed = _frames(request, resume_state=state)
         assert [f.index for f in resumed.fragments] == list(range(j + 1, 4))
         first = sink.fragments[j + 1].first_frame
