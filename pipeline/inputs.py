@@ -4,8 +4,8 @@ Called once per render attempt before any model runs, so a bad input fails fast 
 :class:`~pipeline.errors.InvalidInputError` that names the field, the file, what is wrong and the fix.
 
 * :func:`load_reference_image` -> HxWx3 uint8 RGB, centre-cropped to the target aspect, Lanczos-resized.
-  Transparent images are composited on neutral grey (``ALPHA_BACKGROUND``), not rejected: portraits cut
-  out of their background are common, and grey is what the models see as "no background".
+  Transparency, CMYK and 16-bit channels are rejected with the command that fixes them: each would
+  need a guess (which background, which colour profile) that silently changes the person's look.
 * :class:`AudioSource` decodes the audio file once into two mono float32 tracks (model rate for
   features, output rate for AAC) kept in temporary ``np.memmap`` files, so a multi-hour input costs
   disk, not RAM. The pipeline reads windows of it per chunk; the encoder reads its fragment's span.
@@ -32,10 +32,7 @@ logger = logging.getLogger(__name__)
 MIN_IMAGE_SIDE = 64
 MAX_IMAGE_SIDE = 8192
 MAX_IMAGE_PIXELS = 40_000_000
-ALPHA_BACKGROUND = (128, 128, 128)
-_SUPPORTED_HINT = (
-    "use an 8- or 16-bit PNG, JPEG, WebP, BMP, GIF or TIFF (RGB, RGBA, grayscale, palette or CMYK)"
-)
+_SUPPORTED_HINT = "use an 8-bit RGB or grayscale PNG, JPEG, WebP, BMP, GIF or TIFF without transparency"
 
 
 def _image_error(path: Path, problem: str, fix: str = _SUPPORTED_HINT) -> InvalidInputError:
@@ -60,6 +57,7 @@ def load_reference_image(path: Path, height: int, width: int) -> np.ndarray:
             with Image.open(path) as im:
                 w, h = im.size
                 _check_image_size(path, w, h)
+                _check_pixel_format(path, im)  # from the header, before decoding pixels
                 im.load()
                 rgb = _to_rgb(path, ImageOps.exif_transpose(im) or im)
     except InvalidInputError:
@@ -100,24 +98,42 @@ def _check_image_size(path: Path, w: int, h: int) -> None:
         )
 
 
+def _is_sixteen_bit(im: Image.Image) -> bool:
+    if im.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
+        return True
+    # 16-bit RGB(A) PNGs open as "RGB"/"RGBA" with a ";16" raw mode: Pillow would silently drop bits.
+    return any(";16" in str(getattr(t, "args", "")) for t in getattr(im, "tile", None) or [])
+
+
+def _check_pixel_format(path: Path, im: Image.Image) -> None:
+    """Accept 8-bit RGB, grayscale and palette images; reject what we would have to guess about.
+
+    Transparency, CMYK and 16-bit channels are rejected rather than converted: flattening onto a
+    background we pick, converting CMYK without the printer's colour profile, or dropping bits all
+    change the person's appearance silently, and identity is what the product is about.
+    """
+    mode = im.mode
+    if mode in ("RGBA", "LA", "RGBa", "La", "PA") or (mode == "P" and "transparency" in im.info):
+        raise _image_error(
+            path, f"has an alpha channel (mode {mode})",
+            "flatten it onto the opaque background you want and save it as RGB, e.g. "
+            "`convert IMAGE -background white -alpha remove -alpha off OUT.png`")
+    if mode == "CMYK":
+        raise _image_error(
+            path, "is CMYK (print colours)",
+            "convert it to sRGB with its colour profile, e.g. `convert IMAGE -colorspace sRGB OUT.png`")
+    if _is_sixteen_bit(im):
+        raise _image_error(
+            path, "has 16 bits per channel",
+            "save it with 8 bits per channel, e.g. `convert IMAGE -depth 8 OUT.png`")
+
+
 def _to_rgb(path: Path, im: Image.Image) -> Image.Image:
     mode = im.mode
-    if mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
-        # 16-bit grayscale (PNG opens as "I" or "I;16"): scale 0..65535 to 0..255, don't clip at 255.
-        a = np.asarray(im, dtype=np.float64)
-        a = np.clip(np.round(a / 257.0), 0, 255).astype(np.uint8)
-        return Image.fromarray(np.repeat(a[:, :, None], 3, axis=2), "RGB")
     if mode == "F":
         raise _image_error(path, "is a floating-point image (mode F) with no defined range")
-    if mode == "P":
-        im = im.convert("RGBA") if "transparency" in im.info else im.convert("RGB")
-        mode = im.mode
-    if mode in ("1", "L", "CMYK", "YCbCr", "LAB", "HSV", "RGB"):
+    if mode in ("1", "L", "P", "YCbCr", "RGB"):
         return im.convert("RGB")
-    if mode in ("RGBA", "LA", "RGBa", "La", "PA"):
-        rgba = im.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (*ALPHA_BACKGROUND, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
     raise _image_error(path, f"has unsupported pixel mode {mode!r}")
 
 
