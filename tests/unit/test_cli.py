@@ -1,0 +1,159 @@
+"""The ``longtake`` CLI: argument parsing, --help of every subcommand, error messages, the render
+hand-off (which must not import Celery or SQLAlchemy), and the embedded (`up`) settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from worker import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+SUBCOMMANDS = ["submit", "status", "wait", "fetch", "cancel", "preview", "worker", "api", "migrate", "reap", "up"]
+
+
+def test_top_level_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for name in ["render", *SUBCOMMANDS]:
+        assert name in out, f"{name} missing from `longtake --help`"
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_every_subcommand_has_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main([command, "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: longtake {command}")
+
+
+def test_client_commands_take_api_and_token(capsys: pytest.CaptureFixture[str]) -> None:
+    for command in ["submit", "status", "wait", "fetch", "cancel", "preview"]:
+        with pytest.raises(SystemExit):
+            cli.main([command, "--help"])
+        out = capsys.readouterr().out
+        assert "--api URL" in out and "--token TOKEN" in out, command
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["wait"], "the following arguments are required: job_id"),
+        (["submit", "--audio", "a.wav"], "the following arguments are required: --image"),
+        (["submit", "--image", "a.png", "--audio", "a.wav", "--seed", "abc"], "invalid int value: 'abc'"),
+        (["status", "--status", "done"], "invalid choice: 'done'"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        ([], "the following arguments are required: COMMAND"),
+    ],
+)
+def test_usage_errors_exit_2_with_message(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_submit_missing_local_file_names_the_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nope.png"
+    rc = cli.main(["submit", "--image", str(missing), "--audio", "s3://bucket/a.wav",
+                   "--api", "http://127.0.0.1:9", "--token", "t" * 16])
+    assert rc == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"--image {missing}: no such file" in err
+    assert "s3://" in err  # says what else is accepted
+
+
+def test_submit_without_token_says_how_to_give_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("LONGTAKE_API_TOKEN", raising=False)
+    rc = cli.main(["submit", "--image", "s3://bucket/f.png", "--audio", "s3://bucket/a.wav",
+                   "--api", "http://127.0.0.1:9"])
+    assert rc == cli.EXIT_USAGE
+    assert "pass --token TOKEN or set LONGTAKE_API_TOKEN" in capsys.readouterr().err
+
+
+def test_submit_spec_file_must_be_an_object(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = tmp_path / "spec.json"
+    spec.write_text("[1, 2]")
+    rc = cli.main(["submit", "--image", "s3://b1/f.png", "--audio", "s3://b1/a.wav", "--spec", str(spec),
+                   "--token", "t" * 16, "--api", "http://127.0.0.1:9"])
+    assert rc == cli.EXIT_USAGE
+    assert "must hold a JSON object" in capsys.readouterr().err
+
+
+def test_unreachable_api_is_reported_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    # Port 9 (discard) is closed on loopback: a connection error must surface as a clear message.
+    rc = cli.main(["status", "--api", "http://127.0.0.1:9", "--token", "t" * 16])
+    assert rc == cli.EXIT_JOB_FAILED
+    err = capsys.readouterr().err
+    assert "cannot reach the API at http://127.0.0.1:9" in err
+
+
+def test_render_is_delegated_without_importing_celery_or_sqlalchemy(tmp_path: Path) -> None:
+    # A stand-in render_cli records its argv; the real one is the lead's. Run in a fresh interpreter
+    # so nothing imported by other tests hides an import the render path would make.
+    fake_pkg = tmp_path / "fake"
+    fake_pkg.mkdir()
+    code = f"""
+import sys, types, json
+sys.path.insert(0, {str(ROOT)!r})
+mod = types.ModuleType("worker.render_cli")
+seen = []
+def main(argv):
+    seen.append(list(argv))
+    return 7
+mod.main = main
+sys.modules["worker.render_cli"] = mod
+from worker.cli import main as cli_main
+rc = cli_main(["render", "--image", "x.png", "--help"])
+heavy = sorted(m for m in ("celery", "sqlalchemy", "fastapi", "boto3", "kombu") if m in sys.modules)
+print(json.dumps({{"rc": rc, "seen": seen, "heavy": heavy}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"rc": 7, "seen": [["--image", "x.png", "--help"]], "heavy": []}
+
+
+def test_worker_flags_run_one_task_at_a_time_without_prefetch() -> None:
+    from worker.settings import Settings
+
+    argv = cli.worker_argv(Settings(queue_name="q-test"), hostname="n1@h", loglevel="WARNING")
+    joined = " ".join(argv)
+    assert argv[0] == "worker"
+    assert "--concurrency 1" in joined and "--prefetch-multiplier 1" in joined
+    assert "--pool solo" in joined and "--queues q-test" in joined
+    assert "--hostname n1@h" in joined and "--loglevel WARNING" in joined
+    assert "--without-gossip" in argv and "--without-mingle" in argv
+
+
+def test_embedded_env_is_serverless_and_loads_into_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.settings import Settings
+
+    env = cli.embedded_env(tmp_path / "home", host="127.0.0.1", port=8123, token="tok-" + "x" * 12)
+    assert env["LONGTAKE_DATABASE_URL"].startswith("sqlite:////")
+    assert env["LONGTAKE_OBJECT_STORE_URL"].startswith("file:///")
+    assert env["LONGTAKE_BROKER_URL"].startswith("sqla+sqlite:////")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    s = Settings()
+    assert s.database_url == env["LONGTAKE_DATABASE_URL"]
+    assert s.broker_url == env["LONGTAKE_BROKER_URL"]
+    assert s.api_port == 8123
+    assert s.api_tokens == {"tok-" + "x" * 12: "local"}
+    assert str(s.file_root) == str((tmp_path / "home" / "inputs").resolve())
+
+
+def test_python_m_worker_cli_runs(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "worker.cli", "--help"], capture_output=True, text=True,
+                         timeout=60, env=env, cwd=tmp_path)
+    assert out.returncode == 0 and "usage: longtake" in out.stdout
