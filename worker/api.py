@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Any, Protocol, cast
 
 from fastapi import Depends, FastAPI, File, Form, Query, Request, Response, UploadFile
 from fastapi.exceptions import RequestValidationError
@@ -52,7 +52,7 @@ from worker.client import (
 from worker.settings import Settings
 from worker.spec import JobSpec, spec_context
 from worker.storage import ObjectStore, job_prefix, open_object_store
-from worker.store import JobRecord, JobStore
+from worker.store import JobRecord, JobStatus, JobStore
 
 logger = logging.getLogger(__name__)
 
@@ -539,7 +539,7 @@ def _install_routes(app: FastAPI, deps: _Deps) -> None:
         if status is not None and status not in JOB_STATUSES:
             raise ApiError(422, "invalid_request", f"status: {status!r} is not a job status; use one of "
                            f"{', '.join(JOB_STATUSES)}")
-        recs = deps.store.list(tenant=tenant, status=status, limit=limit, before=before)
+        recs = deps.store.list(tenant=tenant, status=cast("JobStatus | None", status), limit=limit, before=before)
         views = [_job_view(r) for r in recs]
         next_before = views[-1].created_at if len(views) == limit else None
         return JobListView(jobs=views, next_before=next_before)

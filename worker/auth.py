@@ -36,7 +36,11 @@ class AuthError(Exception):
 
 
 def parse_tokens(spec: str | Mapping[str, str] | Iterable[tuple[str, str]]) -> dict[str, str]:
-    """Parse ``"tenantA:tokenA,tenantB:tokenB"`` (or pairs / a mapping) into ``{token: tenant}``.
+    """Check and normalise the token table into ``{token: tenant}``.
+
+    Accepts what ``Settings.api_tokens`` holds (a mapping ``{token: tenant}``, from the JSON object
+    in ``LONGTAKE_API_TOKENS``), the compact string ``"tenantA:tokenA,tenantB:tokenB"``, or
+    ``(tenant, token)`` pairs.
 
     A tenant may appear several times (token rotation: old and new token both valid). Raises
     ``ValueError`` naming the bad entry and the fix for a malformed entry, a bad tenant name, a
@@ -57,7 +61,7 @@ def parse_tokens(spec: str | Mapping[str, str] | Iterable[tuple[str, str]]) -> d
                 )
             pairs.append((tenant.strip(), token.strip()))
     elif isinstance(spec, Mapping):
-        pairs = [(str(t), str(k)) for t, k in spec.items()]
+        pairs = [(str(tenant), str(token)) for token, tenant in spec.items()]
     else:
         pairs = [(str(t), str(k)) for t, k in spec]
     table: dict[str, str] = {}
@@ -120,5 +124,5 @@ class TokenAuth:
             if hmac.compare_digest(presented, token):
                 found = tenant
         if found is None:
-            raise AuthError("the bearer token is not valid; check LONGTAKE_TOKEN / --token")
+            raise AuthError("the bearer token is not valid; check --token / LONGTAKE_API_TOKEN")
         return found

@@ -183,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _settings() -> Settings:
     from worker.settings import Settings
 
-    return Settings()
+    return Settings()  # type: ignore[call-arg]  # every field has a default; values come from env
 
 
 def _client(args: argparse.Namespace) -> LongtakeClient:
@@ -231,14 +231,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
             spec[field] = value
     uploads: dict[str, Path] = {}
     for field in ("image", "audio"):
-        value: str = getattr(args, field)
-        if _is_uri(value):
-            spec[field] = value
+        given: str = getattr(args, field)
+        if _is_uri(given):
+            spec[field] = given
         else:
-            path = Path(value)
+            path = Path(given)
             if not path.is_file():
                 raise FileNotFoundError(
-                    f"--{field} {value}: no such file; give a local file or an s3://, file:// or upload:// URI"
+                    f"--{field} {given}: no such file; give a local file or an s3://, file:// or upload:// URI"
                 )
             spec.pop(field, None)
             uploads[field] = path
@@ -452,10 +452,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     python = sys.executable
     # Each service is the ordinary subcommand with embedded settings in its environment.
     subprocess.run([python, "-m", "worker.cli", "migrate"], env=env, check=True)
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: dict[str, subprocess.Popen[bytes]] = {}
     if not args.no_worker:
-        procs.append(subprocess.Popen([python, "-m", "worker.cli", "worker", "--hostname", "longtake-up@%h"], env=env))
-    procs.append(subprocess.Popen([python, "-m", "worker.cli", "api"], env=env))
+        procs["worker"] = subprocess.Popen(
+            [python, "-m", "worker.cli", "worker", "--hostname", "longtake-up@%h"], env=env
+        )
+    procs["api"] = subprocess.Popen([python, "-m", "worker.cli", "api"], env=env)
     print(
         f"longtake up: API on http://{args.host}:{args.port}, state in {home}\n"
         f"  export LONGTAKE_API_URL=http://{args.host}:{args.port} LONGTAKE_API_TOKEN={token}\n"
@@ -473,17 +475,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     rc = EXIT_OK
     try:
         while not stopping:
-            for proc in procs:
+            for name, proc in procs.items():
                 if proc.poll() is not None:
-                    print(f"longtake up: {proc.args[3]} exited with {proc.returncode}; stopping", file=sys.stderr)
+                    print(f"longtake up: {name} exited with {proc.returncode}; stopping", file=sys.stderr)
                     rc = EXIT_JOB_FAILED
                     stopping = True
             time.sleep(0.2)
     finally:
-        for proc in procs:
+        for proc in procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        for proc in procs:
+        for proc in procs.values():
             try:
                 proc.wait(timeout=15)
             except subprocess.TimeoutExpired:

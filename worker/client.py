@@ -13,6 +13,7 @@ context manager.
 
 from __future__ import annotations
 
+import builtins
 import json
 import logging
 import shutil
@@ -56,12 +57,12 @@ class _Wire(BaseModel):
 class ProgressView(_Wire):
     """Render progress as last reported by the worker's heartbeat."""
 
-    chunks_done: int = Field(0, description="N/I emissions committed so far")
-    num_chunks: int | None = Field(None, description="total emissions, once the worker knows it")
+    chunks_done: int = Field(default=0, description="N/I emissions committed so far")
+    num_chunks: int | None = Field(default=None, description="total emissions, once the worker knows it")
     frames_done: int = 0
     num_frames: int | None = None
-    seconds_done: float = Field(0.0, description="seconds of output video committed so far")
-    elapsed_s: float = Field(0.0, description="wall seconds the current attempt has been rendering")
+    seconds_done: float = Field(default=0.0, description="seconds of output video committed so far")
+    elapsed_s: float = Field(default=0.0, description="wall seconds the current attempt has been rendering")
 
 
 class JobView(_Wire):
@@ -71,7 +72,7 @@ class JobView(_Wire):
     tenant: str
     status: JobStatusName
     attempts: int = 0
-    progress: ProgressView = ProgressView()
+    progress: ProgressView = Field(default_factory=ProgressView)
     cancel_requested: bool = False
     error_code: str | None = None
     error_message: str | None = None
@@ -89,7 +90,7 @@ class JobView(_Wire):
 class JobListView(_Wire):
     jobs: list[JobView]
     next_before: datetime | None = Field(
-        None, description="pass as ?before= to get the next page; null on the last page"
+        default=None, description="pass as ?before= to get the next page; null on the last page"
     )
 
 
@@ -199,7 +200,7 @@ class LongtakeClient:
                     if not p.is_file():
                         raise FileNotFoundError(f"{name} file {p} does not exist; pass an existing file")
                     files[name] = (p.name, p.read_bytes(), "application/octet-stream")
-            resp = self._req("POST", 
+            resp = self._req("POST",
                 "/v1/jobs/upload", data={"spec": json.dumps(dict(spec))}, files=files
             )
         return JobView.model_validate(self._check(resp))
@@ -268,14 +269,14 @@ class LongtakeClient:
                 )
             time.sleep(poll_s)
 
-    def fetch(self, job_id: str, dest: Path, *, segments: bool = False) -> list[Path]:
+    def fetch(self, job_id: str, dest: Path, *, segments: bool = False) -> builtins.list[Path]:
         """Download the job's final MP4 to ``dest`` (a file path, or a directory to put
         ``<job_id>.mp4`` in). With ``segments=True`` also the committed segments, next to it.
         Returns the written paths. Raises :class:`LongtakeAPIError` (409) if there is no final
         output yet and ``segments`` is False."""
         out = self.outputs(job_id)
         dest = Path(dest)
-        written: list[Path] = []
+        written: builtins.list[Path] = []
         if out.final is None and not segments:
             raise LongtakeAPIError(
                 409,

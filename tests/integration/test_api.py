@@ -142,6 +142,8 @@ def _clean(request: pytest.FixtureRequest) -> None:
         return
     api: Api = request.getfixturevalue("api")
     api.redis.flushdb()
+    for key in api.objects.list("tenants/"):
+        api.objects.delete(key)
     with api.engine.begin() as conn:
         conn.execute(text("DELETE FROM segments"))
         conn.execute(text("DELETE FROM jobs"))
