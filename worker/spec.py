@@ -151,8 +151,8 @@ class PreviewSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    hls: bool = Field(True, description="Keep an HLS EVENT playlist updated as fragments are uploaded")
-    kvs: KvsPreviewSpec | None = Field(None, description="Also stream to this KVS stream, or none")
+    hls: bool = Field(default=True, description="Keep an HLS EVENT playlist updated as fragments are uploaded")
+    kvs: KvsPreviewSpec | None = Field(default=None, description="Also stream to this KVS stream, or none")
 
 
 class OutputSpec(BaseModel):
@@ -160,8 +160,8 @@ class OutputSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    container: Literal["mp4"] = Field("mp4", description="Final file format (fragmented MP4)")
-    keep_segments: bool = Field(True, description="Keep the per-fragment objects after the final MP4 is made")
+    container: Literal["mp4"] = Field(default="mp4", description="Final file format (fragmented MP4)")
+    keep_segments: bool = Field(default=True, description="Keep the per-fragment objects after the final MP4 is made")
 
 
 class JobSpec(BaseModel):
@@ -171,12 +171,12 @@ class JobSpec(BaseModel):
 
     image: str = Field(description="Reference image URI: s3://, file:// (under the allowed root) or upload://")
     audio: str = Field(description="Driving audio URI: s3://, file:// (under the allowed root) or upload://")
-    text: str | None = Field(None, description=f"Optional text/scene prompt, at most {TEXT_MAX_CHARS} characters")
-    seed: int = Field(0, ge=0, lt=2**63, description="Seed; the same seed and inputs give the same video")
-    preset: str = Field("tiny", description="Model preset name (e.g. 'tiny')")
-    priority: int = Field(5, ge=0, le=9, description="Queue priority 0 (lowest) to 9 (highest)")
+    text: str | None = Field(default=None, description=f"Optional text/scene prompt, at most {TEXT_MAX_CHARS} characters")
+    seed: int = Field(default=0, ge=0, lt=2**63, description="Seed; the same seed and inputs give the same video")
+    preset: str = Field(default="tiny", description="Model preset name (e.g. 'tiny')")
+    priority: int = Field(default=5, ge=0, le=9, description="Queue priority 0 (lowest) to 9 (highest)")
     idempotency_key: str | None = Field(
-        None, description="Client key; a second submission with the same key returns the first job"
+        default=None, description="Client key; a second submission with the same key returns the first job"
     )
     output: OutputSpec = Field(default_factory=OutputSpec)  # type: ignore[arg-type]
     preview: PreviewSpec = Field(default_factory=PreviewSpec)  # type: ignore[arg-type]
