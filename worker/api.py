@@ -29,8 +29,9 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Annotated, Any, Protocol, cast
+from typing import Annotated, Any, cast
 
+from celery import Celery
 from fastapi import Depends, FastAPI, File, Form, Query, Request, Response, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -41,6 +42,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 from worker.auth import AuthError, TokenAuth
+from worker.celery_app import create_celery_app, enqueue_render
 from worker.client import (
     JobListView,
     JobView,
@@ -82,14 +84,6 @@ class ApiError(Exception):
         self.message = message
         self.errors = list(errors)
         self.headers = headers or {}
-
-
-class _TaskSender(Protocol):
-    """The part of a Celery app the API uses (``celery.Celery`` satisfies it)."""
-
-    def send_task(self, name: str, args: Any = ..., **options: Any) -> Any: ...
-
-    def connection_for_write(self, url: Any = ..., **kwargs: Any) -> Any: ...
 
 
 def upload_key(tenant: str, upload_id: str) -> str:
@@ -155,8 +149,7 @@ class _Deps:
     engine: Engine
     store: JobStore
     objects: ObjectStore
-    celery: _TaskSender
-    task_name: str
+    celery: Celery
     metrics: _Metrics
 
 
@@ -180,22 +173,15 @@ class _Metrics:
         )
 
 
-def _default_celery(settings: Settings) -> tuple[_TaskSender, str]:
-    from worker.celery_app import RENDER_TASK_NAME, create_celery_app
-
-    return create_celery_app(settings), RENDER_TASK_NAME
-
-
 def create_app(
     settings: Settings,
     *,
     engine: Engine | None = None,
     objects: ObjectStore | None = None,
-    celery: _TaskSender | None = None,
-    task_name: str | None = None,
+    celery: Celery | None = None,
 ) -> FastAPI:
-    """Build the API app. ``engine``/``objects``/``celery`` default to what ``settings`` describe;
-    tests pass their own. Nothing connects at build time: the first request opens connections."""
+    """Build the API app. ``engine``/``objects``/``celery`` default to what ``settings`` describe
+    (``celery`` is only used to publish). Nothing connects at build time: the first request does."""
     from worker.db import make_engine
 
     auth = TokenAuth.from_setting(settings.api_tokens)
@@ -206,12 +192,7 @@ def create_app(
     if objects is None:
         objects = open_object_store(settings.object_store_url, endpoint_url=settings.s3_endpoint_url)
     if celery is None:
-        celery, default_name = _default_celery(settings)
-        task_name = task_name or default_name
-    if task_name is None:
-        from worker.celery_app import RENDER_TASK_NAME
-
-        task_name = RENDER_TASK_NAME
+        celery = create_celery_app(settings)
     deps = _Deps(
         settings=settings,
         auth=auth,
@@ -219,7 +200,6 @@ def create_app(
         store=JobStore(engine),
         objects=objects,
         celery=celery,
-        task_name=task_name,
         metrics=_Metrics(),
     )
     app = FastAPI(
@@ -369,7 +349,7 @@ def _create_and_enqueue(
         # Still queued and never claimed: the first submission's message may have been lost (broker
         # down). Sending again is safe: a claim is a conditional UPDATE, a second message is a no-op.
     try:
-        deps.celery.send_task(deps.task_name, args=[rec.id], queue=deps.settings.queue_name)
+        enqueue_render(deps.celery, rec.id, queue=deps.settings.queue_name, priority=spec.priority)
     except Exception as exc:
         logger.error("job %s: could not enqueue: %s", rec.id, exc)
         if spec.idempotency_key is None:

@@ -378,19 +378,9 @@ def cmd_api(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def migrate(database_url: str) -> None:
-    """``alembic upgrade head`` on ``database_url`` with this checkout's migrations/."""
-    from alembic import command
-    from alembic.config import Config
-
-    root = Path(__file__).resolve().parent.parent
-    cfg = Config()
-    cfg.set_main_option("script_location", str(root / "migrations"))
-    cfg.set_main_option("sqlalchemy.url", database_url.replace("%", "%%"))
-    command.upgrade(cfg, "head")
-
-
 def cmd_migrate(args: argparse.Namespace) -> int:
+    from worker.db import migrate
+
     settings = _settings()
     migrate(settings.database_url)
     print(f"database at head: {_redact(settings.database_url)}")
@@ -406,11 +396,14 @@ def cmd_reap(args: argparse.Namespace) -> int:
     while True:
         ids = store.requeue_expired()
         if ids:
-            # a requeued job needs a fresh message: its old one was acked by the dead worker
-            from worker.celery_app import RENDER_TASK_NAME, app
+            # a requeued job needs a fresh message: its old one died with its worker
+            from worker.celery_app import create_celery_app, enqueue_render
 
+            celery = create_celery_app(settings)
             for job_id in ids:
-                app.send_task(RENDER_TASK_NAME, args=[job_id], queue=settings.queue_name)
+                rec = store.get(job_id)
+                enqueue_render(celery, job_id, queue=settings.queue_name,
+                               priority=rec.priority if rec is not None else 5)
         print(f"requeued {len(ids)} job(s){': ' + ', '.join(ids) if ids else ''}")
         if args.every is None:
             return EXIT_OK

@@ -22,14 +22,13 @@ import httpx
 import pytest
 import redis
 import uvicorn
-from celery import Celery
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine
 
 from worker.api import create_app, upload_key
-from worker.cli import migrate
+from worker.celery_app import RENDER_TASK_NAME, create_celery_app
 from worker.client import LongtakeAPIError, LongtakeClient
-from worker.db import make_engine
+from worker.db import make_engine, migrate
 from worker.settings import Settings
 from worker.storage import LocalObjectStore, job_prefix
 from worker.store import JobStore
@@ -43,7 +42,7 @@ REDIS_URL = "redis://127.0.0.1:6379/3"
 QUEUE = "longtake-api-test"
 TOKEN_A = "token-tenant-a-0123456789"
 TOKEN_B = "token-tenant-b-9876543210"
-TASK = "longtake.render_job"
+TASK = RENDER_TASK_NAME
 
 
 def _free_port() -> int:
@@ -127,8 +126,7 @@ def api(pg_engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         upload_max_bytes=64 * 1024,
     )
     objects = LocalObjectStore(base / "objects")
-    celery = Celery("api-test", broker=REDIS_URL)
-    app = create_app(settings, engine=pg_engine, objects=objects, celery=celery, task_name=TASK)
+    app = create_app(settings, engine=pg_engine, objects=objects, celery=create_celery_app(settings))
     server, thread, url = _serve(app)
     r = redis.Redis.from_url(REDIS_URL)
     yield Api(url, settings, pg_engine, objects, r, JobStore(pg_engine), file_root)
@@ -461,9 +459,9 @@ def test_healthz_503_when_broker_or_database_is_down(pg_engine: Engine, tmp_path
                         api_tokens={TOKEN_A: "tenant-a"})
     dead_db = make_engine(f"postgresql+psycopg://postgres@127.0.0.1:{dead_port}/nope")
     for engine, broken in ((pg_engine, "broker"), (dead_db, "database")):
+        broker = settings.broker_url if broken == "broker" else REDIS_URL
         app = create_app(settings, engine=engine, objects=LocalObjectStore(tmp_path),
-                         celery=Celery("h", broker=settings.broker_url if broken == "broker" else REDIS_URL),
-                         task_name=TASK)
+                         celery=create_celery_app(settings.model_copy(update={"broker_url": broker})))
         server, thread, url = _serve(app)
         try:
             resp = httpx.get(f"{url}/healthz", timeout=30)
