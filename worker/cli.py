@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 if TYPE_CHECKING:
+    from celery import Celery
+
     from worker.client import JobView, LongtakeClient
     from worker.settings import Settings
 
@@ -358,10 +360,23 @@ def worker_argv(settings: Settings, *, hostname: str | None, loglevel: str | Non
     ]
 
 
+def serverless_broker_fix(celery: Celery, broker_url: str) -> None:
+    """Drop the Redis-only transport options when the broker is not Redis.
+
+    ``worker.celery_app.celery_config`` always sets Redis transport options (visibility timeout,
+    socket timeouts, priority steps); kombu's SQLAlchemy transport used by ``longtake up`` passes
+    transport options to ``create_engine``, which rejects them. Remove once celery_config sets
+    them only for ``redis://`` brokers.
+    """
+    if not broker_url.startswith(("redis://", "rediss://")):
+        celery.conf.broker_transport_options = {}
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from worker.celery_app import app
 
     settings = _settings()
+    serverless_broker_fix(app, settings.broker_url)
     app.worker_main(worker_argv(settings, hostname=args.hostname, loglevel=args.loglevel))
     return EXIT_OK
 
@@ -371,8 +386,12 @@ def cmd_api(args: argparse.Namespace) -> int:
 
     from worker.api import create_app
 
+    from worker.celery_app import create_celery_app
+
     settings = _settings()
-    app = create_app(settings)
+    celery = create_celery_app(settings)
+    serverless_broker_fix(celery, settings.broker_url)
+    app = create_app(settings, celery=celery)
     uvicorn.run(app, host=args.host or settings.api_host, port=args.port or settings.api_port,
                 log_level=settings.log_level.lower())
     return EXIT_OK
@@ -400,6 +419,7 @@ def cmd_reap(args: argparse.Namespace) -> int:
             from worker.celery_app import create_celery_app, enqueue_render
 
             celery = create_celery_app(settings)
+            serverless_broker_fix(celery, settings.broker_url)
             for job_id in ids:
                 rec = store.get(job_id)
                 enqueue_render(celery, job_id, queue=settings.queue_name,

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,12 @@ import pytest
 from worker import cli
 
 ROOT = Path(__file__).resolve().parents[2]
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 SUBCOMMANDS = ["submit", "status", "wait", "fetch", "cancel", "preview", "worker", "api", "migrate", "reap", "up"]
 
 
@@ -157,3 +166,82 @@ def test_python_m_worker_cli_runs(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "worker.cli", "--help"], capture_output=True, text=True,
                          timeout=60, env=env, cwd=tmp_path)
     assert out.returncode == 0 and "usage: longtake" in out.stdout
+
+
+# ---------------------------------------------------------------------------------------------- up end to end
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 90.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"`longtake up` exited early with {proc.returncode}")
+        try:
+            resp = httpx.get(f"{url}/healthz", timeout=2)
+            if resp.status_code == 200:
+                return
+            last = resp.text
+        except httpx.TransportError as exc:
+            last = str(exc)
+        time.sleep(0.3)
+    raise AssertionError(f"`longtake up` not healthy after {timeout_s} s: {last}")
+
+
+@pytest.mark.slow  # three Python processes start (migrate, worker, API): ~45 s on the shared 2-core box
+def test_up_then_submit_wait_fetch_on_embedded_defaults(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`longtake up` runs the production API + Celery worker + task code on SQLite, a local object
+    store and a SQLite broker; the render is the fake pipeline (the lead wires the real one). The
+    inputs are local files, so `submit` uploads them and the worker reads them back as upload://."""
+    sys.path.insert(0, str(ROOT / "tests" / "integration"))
+    import fake_pipeline
+
+    home = tmp_path / "home"
+    port = _free_port()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "integration")]),
+        "LONGTAKE_RENDER_ENTRY": "fake_pipeline:render",
+        "LONGTAKE_LOG_JSON": "false",
+        "LONGTAKE_LOG_LEVEL": "WARNING",
+        "LONGTAKE_REAPER_ENABLED": "false",
+    }
+    log = (tmp_path / "up.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "up", "--home", str(home), "--port", str(port)],
+                            env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc)
+        token = (home / "token").read_text().strip()
+        image = tmp_path / "face.png"
+        image.write_bytes(b"\x89PNG not really")
+        audio = tmp_path / "plan.json"
+        fake_pipeline.write_plan(audio, num_fragments=4, sleep_s=0.3)
+        conn = ["--api", url, "--token", token]
+        capsys.readouterr()
+        assert cli.main(["submit", "--image", str(image), "--audio", str(audio), "--seed", "5", *conn]) == 0
+        job_id = capsys.readouterr().out.strip()
+        assert len(job_id) == 36
+        assert cli.main(["wait", job_id, "--timeout", "120", "--poll", "0.2", *conn]) == 0
+        out, err = capsys.readouterr()
+        assert "succeeded" in out and "chunk" in err  # the progress bar went to stderr
+        assert cli.main(["fetch", job_id, "-o", str(tmp_path / "out"), *conn]) == 0
+        fetched = Path(capsys.readouterr().out.strip())
+        assert fetched.read_bytes() == fake_pipeline.expected_output(5, 4)
+        assert cli.main(["status", "--json", *conn]) == 0
+        listed = json.loads(capsys.readouterr().out)
+        assert [j["id"] for j in listed["jobs"]] == [job_id]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        log.close()
+    assert rc == 0, (tmp_path / "up.log").read_text()[-3000:]
+    assert (home / "longtake.db").exists() and (home / "broker.db").exists()
