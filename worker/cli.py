@@ -385,7 +385,6 @@ def cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
     from worker.api import create_app
-
     from worker.celery_app import create_celery_app
 
     settings = _settings()
