@@ -41,7 +41,7 @@ from pydantic import ValidationError
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
-from worker.auth import AuthError, TokenAuth
+from worker.auth import AuthError, PreviewSigner, TokenAuth
 from worker.celery_app import create_celery_app, enqueue_render
 from worker.client import (
     JobListView,
@@ -51,9 +51,10 @@ from worker.client import (
     ProgressView,
     SegmentView,
 )
+from worker.delivery import PLAYLIST_NAME
 from worker.settings import Settings
 from worker.spec import JobSpec, spec_context
-from worker.storage import ObjectStore, job_prefix, open_object_store
+from worker.storage import ObjectNotFoundError, ObjectStore, job_prefix, open_object_store, safe_key
 from worker.store import JobRecord, JobStatus, JobStore
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ JOB_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
 _JOB_ID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 _UPLOAD_FIELDS = ("image", "audio")
 
-__all__ = ["ApiError", "create_app", "upload_key"]
+__all__ = ["ApiError", "create_app", "presign_playlist", "upload_key"]
 
 
 class ApiError(Exception):
@@ -146,6 +147,7 @@ def _job_view(rec: JobRecord) -> JobView:
 class _Deps:
     settings: Settings
     auth: TokenAuth
+    signer: PreviewSigner
     engine: Engine
     store: JobStore
     objects: ObjectStore
@@ -196,6 +198,7 @@ def create_app(
     deps = _Deps(
         settings=settings,
         auth=auth,
+        signer=PreviewSigner(settings.api_tokens),
         engine=engine,
         store=JobStore(engine),
         objects=objects,
@@ -273,6 +276,38 @@ def _get_own(deps: _Deps, job_id: str, tenant: str) -> JobRecord:
         # Same answer for "missing" and "someone else's": existence must not leak across tenants.
         raise ApiError(404, "not_found", f"job {job_id} not found for your tenant")
     return rec
+
+
+def _playlist_key(deps: _Deps, rec: JobRecord) -> str:
+    uri = rec.outputs.get("hls")
+    return _key_of_uri(deps.objects, uri) if uri else safe_key(job_prefix(rec.tenant, rec.id), PLAYLIST_NAME)
+
+
+_URI_ATTR_RE = re.compile(r'URI="([^"]+)"')
+
+
+def presign_playlist(playlist: str, *, base_key: str, objects: ObjectStore, expires_s: int) -> str:
+    """Rewrite an HLS playlist stored at ``base_key`` so every relative URI (segments and the
+    ``EXT-X-MAP`` init segment) becomes a presigned URL: a private bucket can then be watched with
+    only the playlist link. Names are checked with :func:`worker.storage.safe_key`, so a tampered
+    playlist cannot make the API presign objects outside the job's directory."""
+    prefix = base_key.rsplit("/", 1)[0] + "/"
+
+    def sign(name: str) -> str:
+        if "://" in name:
+            return name
+        return objects.presign_get(safe_key(prefix, name), expires_s)
+
+    out = []
+    for line in playlist.splitlines():
+        stripped = line.strip()
+        if not stripped:
+            continue
+        if stripped.startswith("#"):
+            out.append(_URI_ATTR_RE.sub(lambda m: f'URI="{sign(m.group(1))}"', stripped))
+        else:
+            out.append(sign(stripped))
+    return "\n".join(out) + "\n"
 
 
 def _key_of_uri(objects: ObjectStore, uri: str) -> str:
@@ -542,8 +577,8 @@ def _install_routes(app: FastAPI, deps: _Deps) -> None:
         rec = _get_own(deps, job_id, tenant)
         expires = deps.settings.presign_expires_s
         outputs = dict(rec.outputs)
-        final = outputs.get("final") or outputs.get("mp4")
-        playlist = outputs.get("playlist") or outputs.get("hls")
+        final = outputs.get("mp4")
+        playlist = outputs.get("hls")
         segs = [
             SegmentView(index=s.index, url=deps.objects.presign_get(s.key, expires), nbytes=s.nbytes,
                         duration_s=s.duration_s, checksum=s.checksum)
@@ -574,13 +609,36 @@ def _install_routes(app: FastAPI, deps: _Deps) -> None:
             )
         if not preview.hls:
             return PreviewView(job_id=rec.id, kind="none", detail="the job was submitted with preview.hls=false")
-        playlist = rec.outputs.get("playlist")
-        key = _key_of_uri(deps.objects, playlist) if playlist else job_prefix(rec.tenant, rec.id) + "index.m3u8"
-        if not deps.objects.exists(key):
+        if not deps.objects.exists(_playlist_key(deps, rec)):
             return PreviewView(job_id=rec.id, kind="none",
                                detail=f"no playlist yet (status {rec.status}); ask again once a chunk is committed")
         expires = deps.settings.presign_expires_s
-        return PreviewView(job_id=rec.id, kind="hls", url=deps.objects.presign_get(key, expires), expires_s=expires)
+        exp = int(time.time()) + expires
+        url = str(request.url_for("preview_playlist", job_id=rec.id).include_query_params(
+            exp=exp, sig=deps.signer.sign(rec.id, exp)))
+        return PreviewView(job_id=rec.id, kind="hls", url=url, expires_s=expires,
+                           detail="HLS EVENT playlist; every segment URL in it is presigned")
+
+    @app.get(f"{API_PREFIX}/jobs/{{job_id}}/preview.m3u8", name="preview_playlist",
+             summary="The job's live HLS playlist with presigned segment URLs (signed link, no bearer)",
+             response_class=Response, responses={200: {"content": {"application/vnd.apple.mpegurl": {}}}})
+    def preview_playlist(job_id: str, exp: int, sig: str) -> Response:
+        # Players reload this URL without our bearer header: the signed link is the authorisation.
+        if not _JOB_ID_RE.match(job_id) or not deps.signer.check(job_id, exp, sig):
+            raise ApiError(403, "bad_signature", "this preview link is invalid or expired; get a fresh one "
+                           "from GET /v1/jobs/{job_id}/preview")
+        rec = deps.store.get(job_id)
+        if rec is None:
+            raise ApiError(404, "not_found", f"job {job_id} not found")
+        key = _playlist_key(deps, rec)
+        try:
+            playlist = deps.objects.get_bytes(key).decode("utf-8")
+        except ObjectNotFoundError as exc:
+            raise ApiError(404, "not_found", f"job {job_id} has no playlist yet") from exc
+        body = presign_playlist(playlist, base_key=key, objects=deps.objects,
+                                expires_s=max(60, exp - int(time.time())))
+        return Response(body, media_type="application/vnd.apple.mpegurl",
+                        headers={"Cache-Control": "no-store"})
 
     @app.get("/healthz", summary="Database and broker reachability (200 ok / 503)")
     def healthz() -> JSONResponse:

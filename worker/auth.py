@@ -12,14 +12,16 @@ Nothing here keeps request data; the token table is immutable after construction
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import re
+import time
 from collections.abc import Iterable, Mapping
 
 _TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 _MIN_TOKEN_CHARS = 8
 
-__all__ = ["AuthError", "TokenAuth", "parse_tokens"]
+__all__ = ["AuthError", "PreviewSigner", "TokenAuth", "parse_tokens"]
 
 
 class AuthError(Exception):
@@ -126,3 +128,28 @@ class TokenAuth:
         if found is None:
             raise AuthError("the bearer token is not valid; check --token / LONGTAKE_API_TOKEN")
         return found
+
+
+class PreviewSigner:
+    """Signs and checks the capability URLs of HLS previews.
+
+    Video players reload a live playlist without sending an ``Authorization`` header, so the preview
+    playlist URL carries its own proof instead: ``exp`` (unix seconds) and ``sig`` =
+    HMAC-SHA256(key, ``"<job_id>:<exp>"``). The key is derived from the configured API tokens, so
+    rotating the tokens also revokes every outstanding preview link. Built once per app by
+    :func:`worker.api.create_app`.
+    """
+
+    def __init__(self, tokens: Mapping[str, str]) -> None:
+        material = "\0".join(sorted(tokens)).encode("utf-8")
+        self._key = hashlib.sha256(b"longtake-preview-v1\0" + material).digest()
+
+    def sign(self, job_id: str, expires_at: int) -> str:
+        mac = hmac.new(self._key, f"{job_id}:{expires_at}".encode(), hashlib.sha256)
+        return mac.hexdigest()
+
+    def check(self, job_id: str, expires_at: int, signature: str, *, now: float | None = None) -> bool:
+        """True when ``signature`` is ours for this job and ``expires_at`` has not passed."""
+        if expires_at < (time.time() if now is None else now):
+            return False
+        return hmac.compare_digest(self.sign(job_id, expires_at), signature)

@@ -25,12 +25,13 @@ import uvicorn
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine
 
-from worker.api import create_app, upload_key
+from tests.integration.s3_fixtures import MotoServer
+from worker.api import create_app, presign_playlist, upload_key
 from worker.celery_app import RENDER_TASK_NAME, create_celery_app
 from worker.client import LongtakeAPIError, LongtakeClient
 from worker.db import make_engine, migrate
 from worker.settings import Settings
-from worker.storage import LocalObjectStore, job_prefix
+from worker.storage import LocalObjectStore, ObjectStore, job_prefix
 from worker.store import JobStore
 
 pytestmark = pytest.mark.integration
@@ -69,7 +70,7 @@ class Api:
     url: str
     settings: Settings
     engine: Engine
-    objects: LocalObjectStore
+    objects: ObjectStore
     redis: redis.Redis
     store: JobStore
     file_root: Path
@@ -430,18 +431,93 @@ def test_outputs_and_fetch_of_a_finished_job(api: Api, tmp_path: Path) -> None:
     assert [p.read_bytes() for p in paths[1:]] == segs
 
 
+PLAYLIST = """#EXTM3U
+#EXT-X-VERSION:7
+#EXT-X-PLAYLIST-TYPE:EVENT
+#EXT-X-TARGETDURATION:1
+#EXT-X-MAP:URI="init.mp4"
+#EXTINF:0.400000,
+seg-00000.m4s
+#EXTINF:0.400000,
+seg-00001.m4s
+"""
+
+
+def _put_preview(objects: ObjectStore, prefix: str) -> dict[str, bytes]:
+    media = {"init.mp4": b"init-bytes", "seg-00000.m4s": b"fragment-0", "seg-00001.m4s": b"fragment-1"}
+    for name, data in media.items():
+        objects.put_bytes(prefix + name, data)
+    objects.put_bytes(prefix + "index.m3u8", PLAYLIST.encode())
+    return media
+
+
+def _playlist_uris(text_: str) -> list[str]:
+    uris = [line for line in text_.splitlines() if line and not line.startswith("#")]
+    maps = [line.split('URI="', 1)[1].rstrip('"') for line in text_.splitlines() if line.startswith("#EXT-X-MAP")]
+    return maps + uris
+
+
 def test_preview_hls_kvs_and_none(api: Api) -> None:
     with api.client() as c:
         job = c.submit(_spec())
         assert c.preview(job.id).kind == "none"
-        api.objects.put_bytes(job_prefix("tenant-a", job.id) + "index.m3u8", b"#EXTM3U\n")
+        media = _put_preview(api.objects, job_prefix("tenant-a", job.id))
         view = c.preview(job.id)
         assert view.kind == "hls" and view.url and view.expires_s == api.settings.presign_expires_s
+        # the signed link needs no bearer token (players do not send one)
+        resp = httpx.get(view.url)
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("application/vnd.apple.mpegurl")
+        uris = _playlist_uris(resp.text)
+        assert [Path(u.removeprefix("file://")).read_bytes() for u in uris] == list(media.values())
+        tampered = view.url.replace("sig=", "sig=0")
+        assert httpx.get(tampered).status_code == 403
+        expired = httpx.get(view.url.split("?")[0], params={"exp": int(time.time()) - 1, "sig": "0" * 64})
+        assert expired.status_code == 403 and "expired" in expired.json()["message"]
         kvs = c.submit(_spec(preview={"kvs": {"stream_name": "s1", "region": "us-east-1"}}))
         kv = c.preview(kvs.id)
         assert kv.kind == "kvs" and kv.url is None and "not configured" in kv.detail
         off = c.submit(_spec(preview={"hls": False}))
         assert c.preview(off.id).kind == "none"
+
+
+def test_playlist_rewrite_refuses_names_outside_the_job(api: Api) -> None:
+    evil = '#EXTM3U\n#EXT-X-MAP:URI="../other-job/init.mp4"\nseg.m4s\n'
+    with pytest.raises(ValueError, match="not a safe object key"):
+        presign_playlist(evil, base_key="tenants/t/jobs/j/index.m3u8", objects=api.objects, expires_s=60)
+
+
+@pytest.fixture(scope="module")
+def moto_s3() -> Iterator[MotoServer]:
+    server = MotoServer()
+    yield server
+    server.stop()
+
+
+def test_outputs_fetch_and_preview_on_s3(api: Api, moto_s3: MotoServer, tmp_path: Path) -> None:
+    """Same routes against a real S3 API (moto_server): presigned http URLs work without our token."""
+    s3 = moto_s3.store()
+    app = create_app(api.settings, engine=api.engine, objects=s3, celery=create_celery_app(api.settings))
+    server, thread, url = _serve(app)
+    try:
+        with LongtakeClient(url, TOKEN_A) as c:
+            job = c.submit(_spec())
+            prefix = job_prefix("tenant-a", job.id)
+            api_ = Api(url, api.settings, api.engine, s3, api.redis, api.store, api.file_root)
+            final, _ = _finish_job(api_, job.id)
+            media = _put_preview(s3, prefix)
+            out = c.outputs(job.id)
+            assert out.final is not None and out.final.startswith(moto_s3.endpoint_url)
+            assert httpx.get(out.final).content == final
+            (path,) = c.fetch(job.id, tmp_path / "video.mp4")
+            assert path == tmp_path / "video.mp4" and path.read_bytes() == final
+            view = c.preview(job.id)
+            assert view.url is not None
+            uris = _playlist_uris(httpx.get(view.url).text)
+            assert all(u.startswith(moto_s3.endpoint_url) and "Signature" in u for u in uris)
+            assert [httpx.get(u).content for u in uris] == list(media.values())
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
 
 
 # ---------------------------------------------------------------------------------------------- health, docs
