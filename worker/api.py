@@ -401,21 +401,46 @@ def _create_and_enqueue(
     return _job_view(rec)
 
 
+UPLOAD_PART_BYTES = 8 * 1024 * 1024
+"""Uploads larger than this are streamed to the object store as a multipart upload of parts this
+size (S3's minimum part is 5 MiB), so the API holds at most one part of a file in memory."""
+
+
 def _store_upload(deps: _Deps, tenant: str, upload: UploadFile, field: str) -> tuple[str, str]:
-    """Copy one uploaded file into the object store; return (upload URI, key)."""
+    """Copy one uploaded file into the object store under the tenant; return (upload URI, key)."""
     limit = deps.settings.upload_max_bytes
+    too_large = ApiError(
+        413, "upload_too_large", f"{field}: the file is over the {limit}-byte limit; send a smaller file "
+        "or ask the operator to raise LONGTAKE_UPLOAD_MAX_BYTES",
+    )
     if upload.size is not None and upload.size > limit:
-        raise ApiError(413, "upload_too_large", f"{field}: {upload.size} bytes is over the {limit}-byte limit; "
-                       "send a smaller file or raise LONGTAKE_UPLOAD_MAX_BYTES")
-    data = upload.file.read(limit + 1)
-    if len(data) > limit:
-        raise ApiError(413, "upload_too_large", f"{field}: over the {limit}-byte limit; send a smaller file "
-                       "or raise LONGTAKE_UPLOAD_MAX_BYTES")
-    if not data:
-        raise ApiError(422, "invalid_upload", f"{field}: the uploaded file is empty; send the file's bytes")
+        raise too_large
     upload_id = uuid.uuid4().hex
     key = upload_key(tenant, upload_id)
-    deps.objects.put_bytes(key, data, content_type=upload.content_type)
+    first = upload.file.read(UPLOAD_PART_BYTES)
+    if not first:
+        raise ApiError(422, "invalid_upload", f"{field}: the uploaded file is empty; send the file's bytes")
+    nxt = upload.file.read(UPLOAD_PART_BYTES)
+    if not nxt:
+        if len(first) > limit:
+            raise too_large
+        deps.objects.put_bytes(key, first, content_type=upload.content_type)
+        return f"upload://{upload_id}", key
+    mp_id = deps.objects.create_multipart(key, content_type=upload.content_type)
+    try:
+        parts: list[tuple[int, str]] = []
+        total = 0
+        part = first
+        while part:
+            total += len(part)
+            if total > limit:
+                raise too_large
+            parts.append((len(parts) + 1, deps.objects.upload_part(key, mp_id, len(parts) + 1, part)))
+            part, nxt = nxt, upload.file.read(UPLOAD_PART_BYTES) if nxt else b""
+        deps.objects.complete_multipart(key, mp_id, parts)
+    except BaseException:
+        deps.objects.abort_multipart(key, mp_id)
+        raise
     return f"upload://{upload_id}", key
 
 

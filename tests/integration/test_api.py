@@ -26,6 +26,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine
 
 from tests.integration.s3_fixtures import MotoServer
+from worker import api as api_module
 from worker.api import create_app, presign_playlist, upload_key
 from worker.celery_app import RENDER_TASK_NAME, create_celery_app
 from worker.client import LongtakeAPIError, LongtakeClient
@@ -310,6 +311,19 @@ def test_multipart_submit_stores_uploads_under_the_tenant_and_queues(api: Api, t
         key = upload_key("tenant-a", str(job.spec[field]).removeprefix("upload://"))
         assert api.objects.get_bytes(key) == src.read_bytes()
     assert api.queued() == [{"task": TASK, "args": [job.id], "kwargs": {}}]
+
+
+def test_large_upload_is_streamed_as_a_multipart_object(
+    api: Api, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(api_module, "UPLOAD_PART_BYTES", 16 * 1024)  # 40 KiB -> parts of 16+16+8 KiB
+    audio = tmp_path / "speech.wav"
+    audio.write_bytes(bytes(range(256)) * 160)
+    with api.client() as c:
+        job = c.submit({"image": "s3://inputs-bucket/a.png"}, audio=audio)
+    key = upload_key("tenant-a", str(job.spec["audio"]).removeprefix("upload://"))
+    assert api.objects.get_bytes(key) == audio.read_bytes()
+    assert api.queue_len() == 1
 
 
 def test_multipart_with_a_bad_spec_stores_and_queues_nothing(api: Api, tmp_path: Path) -> None:
