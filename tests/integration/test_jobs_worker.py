@@ -8,8 +8,7 @@ import urllib.request
 
 import fake_pipeline
 import pytest
-
-from conftest import JobsEnv, free_port, pid_alive
+from jobs_harness import JobsEnv, free_port, pid_alive
 
 pytestmark = pytest.mark.integration
 
