@@ -67,7 +67,7 @@ def verify_final(store: ObjectStore, sink: S3ProgressiveSink, sample: Sample, tm
     assert decode_frames(out) == sum(f.num_frames for f in sample.fragments)
 
 
-def test_small_render_preview_on(s3_store: S3ObjectStore, tmp_path: Path) -> None:
+def test_small_render_preview_on(s3_store: S3ObjectStore, tmp_path: Path) -> None:  # noqa: F811
     sample = make_sample(6.0)
     commits: list[CommittedSegment] = []
 
@@ -172,7 +172,7 @@ def test_resume_reuses_segments_and_parts(moto_s3: MotoServer, tmp_path: Path, p
     assert total <= (2.02 if preview else 1.01) * mp4
 
 
-def test_write_out_of_order_and_lease_loss(s3_store: S3ObjectStore) -> None:
+def test_write_out_of_order_and_lease_loss(s3_store: S3ObjectStore) -> None:  # noqa: F811
     sample = make_sample(6.0)
 
     class LeaseLostError(Exception):
