@@ -205,6 +205,18 @@ class KVSPreviewSink:
                 conn.wait_closed(5.0)
             self._close_conn(conn)
 
+    def _fragment_of(self, ev: AckEvent, unacked: OrderedDict[int, _Queued], by_timecode: dict[int, int]) -> int | None:
+        """Which fragment an ACK is about: by the cluster timecode we sent (RELATIVE) or that plus the
+        producer start (if the service reports absolute times); else the oldest unacknowledged one,
+        since KVS acknowledges fragments in order."""
+        tc = ev.fragment_timecode
+        if tc is None:
+            return None
+        for cand in (tc, tc - round(self.producer_start_s * 1000)):
+            if cand in by_timecode:
+                return by_timecode[cand]
+        return next(iter(unacked), None)
+
     def _drain_acks(self, unacked: OrderedDict[int, _Queued], by_timecode: dict[int, int]) -> str | None:
         """Apply the ACKs received so far; returns why a reconnect is needed (or None)."""
         reconnect: str | None = None
@@ -216,7 +228,7 @@ class KVSPreviewSink:
             if session != self._session:
                 continue  # late news from a session we already replaced
             self.events.append(ev)
-            idx = by_timecode.get(ev.fragment_timecode) if ev.fragment_timecode is not None else None
+            idx = self._fragment_of(ev, unacked, by_timecode)
             if ev.event_type == "PERSISTED" and idx is not None and idx in unacked:
                 del unacked[idx]
                 self.acked.append(idx)

@@ -3,7 +3,7 @@ reached here). The client under test (worker.kvs.putmedia) is the real one.
 
 ``KVSStandIn`` is an HTTP/1.1 server on 127.0.0.1 that:
 - serves GetDataEndpoint (``POST /getDataEndpoint``, JSON, as boto3's ``kinesisvideo`` client sends
-  it) and answers with its own URL;
+  it) and answers with its own URL, and GetHLSStreamingSessionURL (a URL for LIVE playback);
 - checks the SigV4 signature of every request against the known test credentials, recomputed here
   from scratch (hmac/hashlib, not botocore), and the clock skew;
 - for ``POST /putMedia`` checks the KVS headers, answers 200 at once with a chunked ACK stream, then
@@ -233,9 +233,18 @@ class _Handler(BaseHTTPRequestHandler):
             req = json.loads(body)
             if req.get("StreamName") not in state.streams:
                 return self._json(404, {"__type": "ResourceNotFoundException", "message": "no such stream"})
-            if req.get("APIName") != "PUT_MEDIA":
+            if req.get("APIName") not in ("PUT_MEDIA", "GET_HLS_STREAMING_SESSION_URL"):
                 return self._json(400, {"__type": "InvalidArgumentException", "message": "APIName"})
             return self._json(200, {"DataEndpoint": self.server.url})
+        if self.path == "/getHLSStreamingSessionURL":
+            body = self.rfile.read(int(headers.get("content-length", "0")))
+            why = verify_sigv4("POST", self.path, headers, hashlib.sha256(body).hexdigest(), service="kinesisvideo")
+            req = json.loads(body)
+            if why or req.get("StreamName") not in state.streams or req.get("PlaybackMode") != "LIVE":
+                return self._json(403 if why else 400, {"message": why or "bad request"})
+            token = hashlib.sha256(body).hexdigest()[:32]
+            return self._json(200, {"HLSStreamingSessionURL":
+                                    f"{self.server.url}/hls/v1/getHLSMasterPlaylist.m3u8?SessionToken={token}"})
         if self.path != "/putMedia":
             return self._json(404, {"message": f"no route {self.path}"})
         why = verify_sigv4("POST", self.path, headers, None, service="kinesisvideo")

@@ -103,3 +103,11 @@ def test_bad_credentials_stop_preview_only(standin: KVSStandIn) -> None:
     assert sink.status == "stopped"
     assert standin.state.rejected and "signature" in standin.state.rejected[0]
     assert standin.state.persisted == []
+
+
+def test_hls_session_url(standin: KVSStandIn) -> None:
+    client = PutMediaClient(STREAM, region=REGION, endpoint_url=standin.url, access_key_id=ACCESS_KEY,
+                            secret_access_key=SECRET_KEY)
+    url = client.hls_session_url(expires_s=600)
+    assert url.startswith(standin.url + "/hls/v1/getHLSMasterPlaylist.m3u8?SessionToken=")
+    assert standin.state.rejected == []

@@ -198,6 +198,19 @@ class PutMediaClient:
             self._data_endpoint = str(resp["DataEndpoint"]).rstrip("/")
         return self._data_endpoint
 
+    def hls_session_url(self, *, expires_s: int = 3600) -> str:
+        """A LIVE HLS playback URL for the stream (what ``longtake preview JOB`` prints for KVS jobs):
+        GetDataEndpoint(GET_HLS_STREAMING_SESSION_URL), then GetHLSStreamingSessionURL there."""
+        resp = self._control.get_data_endpoint(StreamName=self.stream_name, APIName="GET_HLS_STREAMING_SESSION_URL")
+        media = self._session.client(
+            "kinesis-video-archived-media", endpoint_url=str(resp["DataEndpoint"]),
+            config=Config(connect_timeout=self._timeout_s, read_timeout=self._timeout_s),
+        )
+        out = media.get_hls_streaming_session_url(
+            StreamName=self.stream_name, PlaybackMode="LIVE", ContainerFormat="FRAGMENTED_MP4", Expires=expires_s
+        )
+        return str(out["HLSStreamingSessionURL"])
+
     def connect(self, *, producer_start_s: float, on_ack: Callable[[AckEvent], None]) -> PutMediaConnection:
         """Open a PutMedia session (RELATIVE timecodes from ``producer_start_s``, epoch seconds)."""
         url = self.data_endpoint() + "/putMedia"
