@@ -166,7 +166,8 @@ class S3ObjectStore:
     """Objects in ``bucket`` under ``base_prefix``, through boto3 against any S3 endpoint.
 
     ``bytes_sent`` counts the payload bytes of every upload *attempt* (retries included), so callers
-    can measure what really went over the wire.
+    can measure what really went over the wire; ``num_requests`` / ``num_failed_attempts`` count
+    attempts.
     """
 
     def __init__(
@@ -210,6 +211,7 @@ class S3ObjectStore:
         self._lock = threading.Lock()
         self.bytes_sent = 0
         self.num_requests = 0
+        self.num_failed_attempts = 0  # 404s of exists() included
 
     # -- plumbing
     def _k(self, key: str) -> str:
@@ -220,7 +222,12 @@ class S3ObjectStore:
             with self._lock:
                 self.bytes_sent += nbytes
                 self.num_requests += 1
-            return fn()
+            try:
+                return fn()
+            except Exception:
+                with self._lock:
+                    self.num_failed_attempts += 1
+                raise
 
         retrying = Retrying(
             stop=stop_after_attempt(self._max_attempts),

@@ -7,12 +7,13 @@ import hashlib
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from pipeline.errors import SinkError
 from tests.integration.delivery_media import Sample, decode_frames, ffprobe_duration, make_sample
 from tests.integration.s3_fixtures import MotoServer, moto_s3, s3_store  # noqa: F401
-from worker.delivery import CommittedSegment, MultipartState, S3ProgressiveSink
+from worker.delivery import CommittedSegment, MultipartState, S3ProgressiveSink, presigned_playlist
 from worker.storage import LocalObjectStore, ObjectStore, S3ObjectStore, job_prefix
 
 pytestmark = pytest.mark.integration
@@ -67,7 +68,7 @@ def verify_final(store: ObjectStore, sink: S3ProgressiveSink, sample: Sample, tm
     assert decode_frames(out) == sum(f.num_frames for f in sample.fragments)
 
 
-def test_small_render_preview_on(s3_store: S3ObjectStore, tmp_path: Path) -> None:
+def test_small_render_preview_on(s3_store: S3ObjectStore, tmp_path: Path) -> None:  # noqa: F811
     sample = make_sample(6.0)
     commits: list[CommittedSegment] = []
 
@@ -97,6 +98,14 @@ def test_small_render_preview_on(s3_store: S3ObjectStore, tmp_path: Path) -> Non
     assert sink.counters.num_parts == 0 and sink.counters.final_put_bytes == len(sample.mp4)
     assert sink.counters.media_bytes <= 2.02 * len(sample.mp4)
     assert not s3_store.exists(sink.state_object_key)
+
+    # a player without credentials follows the presigned playlist over plain HTTP
+    signed = presigned_playlist(s3_store, PREFIX, expires_s=600)
+    urls = [ln for ln in signed.splitlines() if ln.startswith("http")]
+    init_url = signed.split('#EXT-X-MAP:URI="', 1)[1].split('"', 1)[0]
+    assert len(urls) == len(sample.fragments)
+    assert httpx.get(init_url).content == sample.init.data
+    assert httpx.get(urls[4]).content == sample.fragments[4].data
 
 
 @pytest.mark.parametrize("preview", [False, True])
@@ -172,7 +181,7 @@ def test_resume_reuses_segments_and_parts(moto_s3: MotoServer, tmp_path: Path, p
     assert total <= (2.02 if preview else 1.01) * mp4
 
 
-def test_write_out_of_order_and_lease_loss(s3_store: S3ObjectStore) -> None:
+def test_write_out_of_order_and_lease_loss(s3_store: S3ObjectStore) -> None:  # noqa: F811
     sample = make_sample(6.0)
 
     class LeaseLostError(Exception):
