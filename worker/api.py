@@ -51,7 +51,7 @@ from worker.client import (
     ProgressView,
     SegmentView,
 )
-from worker.delivery import PLAYLIST_NAME
+from worker.delivery import PLAYLIST_NAME, presigned_playlist
 from worker.settings import Settings
 from worker.spec import JobSpec, spec_context
 from worker.storage import ObjectNotFoundError, ObjectStore, job_prefix, open_object_store, safe_key
@@ -64,7 +64,7 @@ JOB_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
 _JOB_ID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 _UPLOAD_FIELDS = ("image", "audio")
 
-__all__ = ["ApiError", "create_app", "presign_playlist", "upload_key"]
+__all__ = ["ApiError", "create_app", "upload_key"]
 
 
 class ApiError(Exception):
@@ -152,6 +152,7 @@ class _Deps:
     store: JobStore
     objects: ObjectStore
     celery: Celery
+    kvs_endpoint_url: str | None
     metrics: _Metrics
 
 
@@ -181,6 +182,7 @@ def create_app(
     engine: Engine | None = None,
     objects: ObjectStore | None = None,
     celery: Celery | None = None,
+    kvs_endpoint_url: str | None = None,
 ) -> FastAPI:
     """Build the API app. ``engine``/``objects``/``celery`` default to what ``settings`` describe
     (``celery`` is only used to publish). Nothing connects at build time: the first request does."""
@@ -203,6 +205,7 @@ def create_app(
         store=JobStore(engine),
         objects=objects,
         celery=celery,
+        kvs_endpoint_url=kvs_endpoint_url or getattr(settings, "kvs_endpoint_url", None),
         metrics=_Metrics(),
     )
     app = FastAPI(
@@ -278,36 +281,25 @@ def _get_own(deps: _Deps, job_id: str, tenant: str) -> JobRecord:
     return rec
 
 
-def _playlist_key(deps: _Deps, rec: JobRecord) -> str:
-    uri = rec.outputs.get("hls")
-    return _key_of_uri(deps.objects, uri) if uri else safe_key(job_prefix(rec.tenant, rec.id), PLAYLIST_NAME)
+def _kvs_preview(deps: _Deps, job_id: str, stream_name: str, region: str) -> PreviewView:
+    """A LIVE HLS session URL of the job's KVS stream (GetHLSStreamingSessionURL), using the API
+    process' AWS credentials (boto3's default chain). Not configured / not reachable -> no URL, and
+    ``detail`` says why and what to do."""
+    from worker.kvs.putmedia import PutMediaClient
 
-
-_URI_ATTR_RE = re.compile(r'URI="([^"]+)"')
-
-
-def presign_playlist(playlist: str, *, base_key: str, objects: ObjectStore, expires_s: int) -> str:
-    """Rewrite an HLS playlist stored at ``base_key`` so every relative URI (segments and the
-    ``EXT-X-MAP`` init segment) becomes a presigned URL: a private bucket can then be watched with
-    only the playlist link. Names are checked with :func:`worker.storage.safe_key`, so a tampered
-    playlist cannot make the API presign objects outside the job's directory."""
-    prefix = base_key.rsplit("/", 1)[0] + "/"
-
-    def sign(name: str) -> str:
-        if "://" in name:
-            return name
-        return objects.presign_get(safe_key(prefix, name), expires_s)
-
-    out = []
-    for line in playlist.splitlines():
-        stripped = line.strip()
-        if not stripped:
-            continue
-        if stripped.startswith("#"):
-            out.append(_URI_ATTR_RE.sub(lambda m: f'URI="{sign(m.group(1))}"', stripped))
-        else:
-            out.append(sign(stripped))
-    return "\n".join(out) + "\n"
+    expires = min(deps.settings.presign_expires_s, 43200)  # KVS caps session URLs at 12 h
+    try:
+        client = PutMediaClient(stream_name, region=region, endpoint_url=deps.kvs_endpoint_url)
+        url = client.hls_session_url(expires_s=expires)
+    except Exception as exc:
+        logger.warning("job %s: no KVS HLS session URL for stream %s: %s", job_id, stream_name, exc)
+        return PreviewView(
+            job_id=job_id, kind="kvs",
+            detail=f"KVS HLS playback is not available for stream {stream_name!r} ({region}): "
+            f"{type(exc).__name__}: {exc}; check the API's AWS credentials and that the stream is receiving media",
+        )
+    return PreviewView(job_id=job_id, kind="kvs", url=url, expires_s=expires,
+                       detail=f"KVS LIVE HLS session for stream {stream_name!r}")
 
 
 def _key_of_uri(objects: ObjectStore, uri: str) -> str:
@@ -627,14 +619,10 @@ def _install_routes(app: FastAPI, deps: _Deps) -> None:
         rec = _get_own(deps, job_id, tenant)
         preview = rec.spec.preview
         if preview.kvs is not None:
-            return PreviewView(
-                job_id=rec.id, kind="kvs",
-                detail="KVS live preview is not configured in this API (no KVS client); open the stream "
-                f"{preview.kvs.stream_name!r} ({preview.kvs.region}) in the AWS console",
-            )
+            return _kvs_preview(deps, rec.id, preview.kvs.stream_name, preview.kvs.region)
         if not preview.hls:
             return PreviewView(job_id=rec.id, kind="none", detail="the job was submitted with preview.hls=false")
-        if not deps.objects.exists(_playlist_key(deps, rec)):
+        if not deps.objects.exists(safe_key(job_prefix(rec.tenant, rec.id), PLAYLIST_NAME)):
             return PreviewView(job_id=rec.id, kind="none",
                                detail=f"no playlist yet (status {rec.status}); ask again once a chunk is committed")
         expires = deps.settings.presign_expires_s
@@ -655,13 +643,15 @@ def _install_routes(app: FastAPI, deps: _Deps) -> None:
         rec = deps.store.get(job_id)
         if rec is None:
             raise ApiError(404, "not_found", f"job {job_id} not found")
-        key = _playlist_key(deps, rec)
         try:
-            playlist = deps.objects.get_bytes(key).decode("utf-8")
+            body = presigned_playlist(deps.objects, job_prefix(rec.tenant, rec.id),
+                                      expires_s=max(60, exp - int(time.time())))
         except ObjectNotFoundError as exc:
             raise ApiError(404, "not_found", f"job {job_id} has no playlist yet") from exc
-        body = presign_playlist(playlist, base_key=key, objects=deps.objects,
-                                expires_s=max(60, exp - int(time.time())))
+        except ValueError as exc:  # a name in the stored playlist escapes the job's directory
+            logger.error("job %s: refusing to presign its playlist: %s", job_id, exc)
+            raise ApiError(500, "bad_playlist", f"job {job_id}: the stored playlist names an object outside "
+                           "the job; it was not served (see the API log)") from exc
         return Response(body, media_type="application/vnd.apple.mpegurl",
                         headers={"Cache-Control": "no-store"})
 

@@ -25,9 +25,10 @@ import uvicorn
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine
 
+from tests.integration import kvs_standin
 from tests.integration.s3_fixtures import MotoServer
 from worker import api as api_module
-from worker.api import create_app, presign_playlist, upload_key
+from worker.api import create_app, upload_key
 from worker.celery_app import RENDER_TASK_NAME, create_celery_app
 from worker.client import LongtakeAPIError, LongtakeClient
 from worker.db import make_engine, migrate
@@ -471,7 +472,7 @@ def _playlist_uris(text_: str) -> list[str]:
     return maps + uris
 
 
-def test_preview_hls_kvs_and_none(api: Api) -> None:
+def test_preview_hls_and_none(api: Api) -> None:
     with api.client() as c:
         job = c.submit(_spec())
         assert c.preview(job.id).kind == "none"
@@ -487,17 +488,47 @@ def test_preview_hls_kvs_and_none(api: Api) -> None:
         assert httpx.get(tampered).status_code == 403
         expired = httpx.get(view.url.split("?")[0], params={"exp": int(time.time()) - 1, "sig": "0" * 64})
         assert expired.status_code == 403 and "expired" in expired.json()["message"]
-        kvs = c.submit(_spec(preview={"kvs": {"stream_name": "s1", "region": "us-east-1"}}))
-        kv = c.preview(kvs.id)
-        assert kv.kind == "kvs" and kv.url is None and "not configured" in kv.detail
         off = c.submit(_spec(preview={"hls": False}))
         assert c.preview(off.id).kind == "none"
 
 
-def test_playlist_rewrite_refuses_names_outside_the_job(api: Api) -> None:
-    evil = '#EXTM3U\n#EXT-X-MAP:URI="../other-job/init.mp4"\nseg.m4s\n'
-    with pytest.raises(ValueError, match="not a safe object key"):
-        presign_playlist(evil, base_key="tenants/t/jobs/j/index.m3u8", objects=api.objects, expires_s=60)
+def test_tampered_playlist_is_not_presigned(api: Api) -> None:
+    with api.client() as c:
+        job = c.submit(_spec())
+        api.objects.put_bytes(job_prefix("tenant-a", job.id) + "index.m3u8",
+                              b'#EXTM3U\n#EXT-X-MAP:URI="../other-job/init.mp4"\nseg.m4s\n')
+        view = c.preview(job.id)
+    assert view.url is not None
+    resp = httpx.get(view.url)
+    assert resp.status_code == 500 and resp.json()["error"] == "bad_playlist"
+    assert "file://" not in resp.text
+
+
+def test_kvs_preview_gets_a_live_hls_session_url(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GetDataEndpoint + GetHLSStreamingSessionURL against the local KVS stand-in (SigV4 checked)."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", kvs_standin.ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", kvs_standin.SECRET_KEY)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    standin = kvs_standin.KVSStandIn(streams={"avatar-live"})
+    app = create_app(api.settings, engine=api.engine, objects=api.objects,
+                     celery=create_celery_app(api.settings), kvs_endpoint_url=standin.url)
+    server, thread, url = _serve(app)
+    try:
+        with LongtakeClient(url, TOKEN_A) as c:
+            live = c.submit(_spec(preview={"kvs": {"stream_name": "avatar-live", "region": kvs_standin.REGION}}))
+            view = c.preview(live.id)
+            assert view.kind == "kvs" and view.url is not None
+            assert view.url.startswith(f"{standin.url}/hls/v1/getHLSMasterPlaylist.m3u8?SessionToken=")
+            gone = c.submit(_spec(preview={"kvs": {"stream_name": "no-such-stream", "region": kvs_standin.REGION}}))
+            missing = c.preview(gone.id)
+            assert missing.kind == "kvs" and missing.url is None
+            assert "'no-such-stream'" in missing.detail and "credentials" in missing.detail
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        standin.stop()
 
 
 @pytest.fixture(scope="module")
