@@ -188,6 +188,22 @@ def test_submit_answers_201_then_200_for_the_same_idempotency_key(api: Api) -> N
     assert api.queue_len() == 2
 
 
+def test_concurrent_submissions_with_one_key_make_one_job(api: Api) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = _spec(idempotency_key="burst-1")
+
+    def post(_: int) -> httpx.Response:
+        return httpx.post(f"{api.url}/v1/jobs", json=body, headers={"Authorization": f"Bearer {TOKEN_A}"}, timeout=60)
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(post, range(8)))
+    assert {r.status_code for r in answers} <= {200, 201} and 201 in {r.status_code for r in answers}
+    assert len({r.json()["id"] for r in answers}) == 1
+    assert api.job_rows() == 1
+    assert {tuple(m["args"]) for m in api.queued()} == {(answers[0].json()["id"],)}
+
+
 def test_same_idempotency_key_with_another_spec_is_409(api: Api) -> None:
     with api.client() as c:
         c.submit(_spec(idempotency_key="k-1", seed=1))
@@ -612,3 +628,5 @@ def test_metrics_count_submissions_and_rejections(api: Api) -> None:
     text_ = httpx.get(f"{api.url}/metrics").text
     assert "longtake_api_jobs_submitted_total" in text_
     assert 'longtake_api_submissions_rejected_total{code="invalid_spec"}' in text_
+    assert 'longtake_api_requests_total{route="/v1/jobs",status="201"}' in text_
+    assert 'longtake_api_requests_total{route="/v1/jobs",status="422"}' in text_

@@ -245,3 +245,38 @@ def test_up_then_submit_wait_fetch_on_embedded_defaults(
         log.close()
     assert rc == 0, (tmp_path / "up.log").read_text()[-3000:]
     assert (home / "longtake.db").exists() and (home / "broker.db").exists()
+
+
+def test_migrate_then_reap_requeues_an_expired_lease_and_republishes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`longtake migrate` + `longtake reap` on embedded settings (SQLite DB, SQLite broker)."""
+    from kombu import Connection
+    from sqlalchemy import inspect
+
+    from worker.db import make_engine
+    from worker.spec import JobSpec
+    from worker.store import JobStore
+
+    for key, value in cli.embedded_env(tmp_path, host="127.0.0.1", port=8000, token="t" * 16).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("LONGTAKE_QUEUE_NAME", "reap-test")
+    assert cli.main(["migrate"]) == 0
+    assert "database at head" in capsys.readouterr().out
+    engine = make_engine(f"sqlite:///{tmp_path / 'longtake.db'}")
+    assert {"jobs", "segments"} <= set(inspect(engine).get_table_names())
+    store = JobStore(engine)
+    job = store.create(JobSpec(image="s3://bucket-a/f.png", audio="s3://bucket-a/a.wav"), tenant="local")
+    assert store.claim(job.id, owner="dead-worker", lease_s=0.05) is not None
+    time.sleep(0.2)
+    assert cli.main(["reap"]) == 0
+    assert f"requeued 1 job(s): {job.id}" in capsys.readouterr().out
+    rec = store.get(job.id)
+    assert rec is not None and rec.status == "queued"
+    with Connection(f"sqla+sqlite:///{tmp_path / 'broker.db'}") as conn:
+        queue = conn.SimpleQueue("reap-test")
+        msg = queue.get(timeout=5)
+        assert msg.headers["task"] == "longtake.render_job" and msg.payload[0] == [job.id]
+        msg.ack()
+        queue.close()
+    engine.dispose()
