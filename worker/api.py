@@ -160,19 +160,24 @@ class _Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
-            "longtake_api_requests", "API requests by route and status", ["route", "status"],
+            "longtake_api_requests",
+            "API requests by route and status",
+            ["route", "status"],
             registry=self.registry,
         )
         self.latency = Histogram(
             "longtake_api_request_seconds", "API request latency", ["route"], registry=self.registry
         )
         self.submitted = Counter(
-            "longtake_api_jobs_submitted", "Jobs created through the API (replays not counted)",
+            "longtake_api_jobs_submitted",
+            "Jobs created through the API (replays not counted)",
             registry=self.registry,
         )
         self.rejected = Counter(
-            "longtake_api_submissions_rejected", "Submissions rejected before anything was queued",
-            ["code"], registry=self.registry,
+            "longtake_api_submissions_rejected",
+            "Submissions rejected before anything was queued",
+            ["code"],
+            registry=self.registry,
         )
 
 
@@ -294,12 +299,18 @@ def _kvs_preview(deps: _Deps, job_id: str, stream_name: str, region: str) -> Pre
     except Exception as exc:
         logger.warning("job %s: no KVS HLS session URL for stream %s: %s", job_id, stream_name, exc)
         return PreviewView(
-            job_id=job_id, kind="kvs",
+            job_id=job_id,
+            kind="kvs",
             detail=f"KVS HLS playback is not available for stream {stream_name!r} ({region}): "
             f"{type(exc).__name__}: {exc}; check the API's AWS credentials and that the stream is receiving media",
         )
-    return PreviewView(job_id=job_id, kind="kvs", url=url, expires_s=expires,
-                       detail=f"KVS LIVE HLS session for stream {stream_name!r}")
+    return PreviewView(
+        job_id=job_id,
+        kind="kvs",
+        url=url,
+        expires_s=expires,
+        detail=f"KVS LIVE HLS session for stream {stream_name!r}",
+    )
 
 
 def _key_of_uri(objects: ObjectStore, uri: str) -> str:
@@ -308,8 +319,10 @@ def _key_of_uri(objects: ObjectStore, uri: str) -> str:
     base = objects.uri(probe)[: -len(probe)]
     if not uri.startswith(base):
         raise ApiError(
-            500, "output_elsewhere", f"output {uri!r} is not in this API's object store ({base}); "
-            "check LONGTAKE_OBJECT_STORE_URL matches the workers'"
+            500,
+            "output_elsewhere",
+            f"output {uri!r} is not in this API's object store ({base}); "
+            "check LONGTAKE_OBJECT_STORE_URL matches the workers'",
         )
     return uri[len(base) :]
 
@@ -320,12 +333,16 @@ def _key_of_uri(objects: ObjectStore, uri: str) -> str:
 def _parse_spec(deps: _Deps, data: object, tenant: str) -> JobSpec:
     if not isinstance(data, dict):
         raise ApiError(
-            422, "invalid_spec", "the request body must be a JSON object (the job spec), e.g. "
+            422,
+            "invalid_spec",
+            "the request body must be a JSON object (the job spec), e.g. "
             '{"image": "s3://bucket/face.png", "audio": "s3://bucket/speech.wav"}',
         )
     if "tenant" in data:
         raise ApiError(
-            422, "invalid_spec", "tenant: is set by your bearer token, not by the spec; remove the field",
+            422,
+            "invalid_spec",
+            "tenant: is set by your bearer token, not by the spec; remove the field",
             errors=[{"field": "tenant", "message": "set by your token; remove it"}],
         )
     try:
@@ -337,7 +354,8 @@ def _parse_spec(deps: _Deps, data: object, tenant: str) -> JobSpec:
         upload_id = _upload_id(getattr(spec, field))
         if upload_id is not None and not deps.objects.exists(upload_key(tenant, upload_id)):
             raise ApiError(
-                422, "invalid_spec",
+                422,
+                "invalid_spec",
                 f"{field}: upload://{upload_id} was not uploaded by your tenant; upload the file first "
                 "(POST /v1/uploads or the multipart POST /v1/jobs/upload)",
                 errors=[{"field": field, "message": "unknown upload"}],
@@ -366,7 +384,8 @@ def _create_and_enqueue(
         if not _same_request(existing, spec, ignore=ignore):
             deps.metrics.rejected.labels("idempotency_conflict").inc()
             raise ApiError(
-                409, "idempotency_conflict",
+                409,
+                "idempotency_conflict",
                 f"idempotency_key: {spec.idempotency_key!r} was already used for job {rec.id} with a "
                 "different spec; use a new key for a new job",
             )
@@ -385,7 +404,9 @@ def _create_and_enqueue(
             hint = "submit again"
         else:
             hint = "submit again with the same idempotency_key (the job is kept and will be enqueued)"
-        raise ApiError(503, "broker_unavailable", f"job {rec.id} could not be queued ({exc}); {hint}") from exc
+        raise ApiError(
+            503, "broker_unavailable", f"job {rec.id} could not be queued ({exc}); {hint}"
+        ) from exc
     if created:
         deps.metrics.submitted.inc()
         response.status_code = 201
@@ -402,7 +423,9 @@ def _store_upload(deps: _Deps, tenant: str, upload: UploadFile, field: str) -> t
     """Copy one uploaded file into the object store under the tenant; return (upload URI, key)."""
     limit = deps.settings.upload_max_bytes
     too_large = ApiError(
-        413, "upload_too_large", f"{field}: the file is over the {limit}-byte limit; send a smaller file "
+        413,
+        "upload_too_large",
+        f"{field}: the file is over the {limit}-byte limit; send a smaller file "
         "or ask the operator to raise LONGTAKE_UPLOAD_MAX_BYTES",
     )
     if upload.size is not None and upload.size > limit:
@@ -463,8 +486,9 @@ def _install_routes(app: FastAPI, deps: _Deps) -> None:
         if app.openapi_schema is None:
             from fastapi.openapi.utils import get_openapi
 
-            schema = get_openapi(title=app.title, version=app.version, description=app.description,
-                                 routes=app.routes)
+            schema = get_openapi(
+                title=app.title, version=app.version, description=app.description, routes=app.routes
+            )
             schema.setdefault("components", {}).setdefault("schemas", {}).update(extra_schemas)
             schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
             schema["security"] = [{"bearer": []}]
@@ -492,8 +516,12 @@ def _install_routes(app: FastAPI, deps: _Deps) -> None:
             data = json.loads(body or b"null")
         except ValueError as exc:
             deps.metrics.rejected.labels("invalid_json").inc()
-            raise ApiError(400, "invalid_json", f"the body is not valid JSON ({exc}); send the job spec "
-                           "as a JSON object with Content-Type: application/json") from exc
+            raise ApiError(
+                400,
+                "invalid_json",
+                f"the body is not valid JSON ({exc}); send the job spec "
+                "as a JSON object with Content-Type: application/json",
+            ) from exc
         try:
             spec = _parse_spec(deps, data, tenant)
         except ApiError as exc:
@@ -519,16 +547,23 @@ def _install_routes(app: FastAPI, deps: _Deps) -> None:
         try:
             data = json.loads(spec)
         except ValueError as exc:
-            raise ApiError(400, "invalid_json", f"spec: not valid JSON ({exc}); send the job spec as a JSON "
-                           "object in the 'spec' form field") from exc
+            raise ApiError(
+                400,
+                "invalid_json",
+                f"spec: not valid JSON ({exc}); send the job spec as a JSON object in the 'spec' form field",
+            ) from exc
         if not isinstance(data, dict):
             raise ApiError(422, "invalid_spec", "spec: must be a JSON object (the job spec)")
         files = {"image": image, "audio": audio}
         placeholder = "upload://" + "0" * 32
         for field, upload in files.items():
             if upload is not None and field in data:
-                raise ApiError(422, "invalid_spec", f"{field}: given both as a file and in the spec; "
-                               "leave it out of the spec when you upload it")
+                raise ApiError(
+                    422,
+                    "invalid_spec",
+                    f"{field}: given both as a file and in the spec; "
+                    "leave it out of the spec when you upload it",
+                )
             if upload is not None:
                 data[field] = placeholder  # validate everything else before storing any bytes
         try:
@@ -536,7 +571,9 @@ def _install_routes(app: FastAPI, deps: _Deps) -> None:
         except ValidationError as exc:
             errors = _field_errors(exc, known_fields=list(JobSpec.model_fields))
             deps.metrics.rejected.labels("invalid_spec").inc()
-            raise ApiError(422, "invalid_spec", "; ".join(e["message"] for e in errors), errors=errors) from exc
+            raise ApiError(
+                422, "invalid_spec", "; ".join(e["message"] for e in errors), errors=errors
+            ) from exc
         keys: list[str] = []
         with _cleanup_on_error(deps, keys):
             for field, upload in files.items():
@@ -547,7 +584,9 @@ def _install_routes(app: FastAPI, deps: _Deps) -> None:
             job_spec = _parse_spec(deps, data, tenant)
             return _create_and_enqueue(deps, job_spec, tenant, response, uploaded=keys)
 
-    @app.post(f"{API_PREFIX}/uploads", status_code=201, summary="Upload one input file; returns its upload:// URI")
+    @app.post(
+        f"{API_PREFIX}/uploads", status_code=201, summary="Upload one input file; returns its upload:// URI"
+    )
     def upload_file(
         request: Request, file: Annotated[UploadFile, File(description="image or audio file")]
     ) -> dict[str, object]:
@@ -569,15 +608,24 @@ def _install_routes(app: FastAPI, deps: _Deps) -> None:
     ) -> JobListView:
         tenant = _tenant(deps, request)
         if status is not None and status not in JOB_STATUSES:
-            raise ApiError(422, "invalid_request", f"status: {status!r} is not a job status; use one of "
-                           f"{', '.join(JOB_STATUSES)}")
-        recs = deps.store.list(tenant=tenant, status=cast("JobStatus | None", status), limit=limit, before=before)
+            raise ApiError(
+                422,
+                "invalid_request",
+                f"status: {status!r} is not a job status; use one of {', '.join(JOB_STATUSES)}",
+            )
+        recs = deps.store.list(
+            tenant=tenant, status=cast("JobStatus | None", status), limit=limit, before=before
+        )
         views = [_job_view(r) for r in recs]
         next_before = views[-1].created_at if len(views) == limit else None
         return JobListView(jobs=views, next_before=next_before)
 
-    @app.post(f"{API_PREFIX}/jobs/{{job_id}}/cancel", response_model=JobView, status_code=202,
-              summary="Ask a job to stop (takes effect between chunks)")
+    @app.post(
+        f"{API_PREFIX}/jobs/{{job_id}}/cancel",
+        response_model=JobView,
+        status_code=202,
+        summary="Ask a job to stop (takes effect between chunks)",
+    )
     def cancel_job(request: Request, job_id: str) -> JobView:
         tenant = _tenant(deps, request)
         _get_own(deps, job_id, tenant)
@@ -587,8 +635,11 @@ def _install_routes(app: FastAPI, deps: _Deps) -> None:
             raise ApiError(409, "not_cancellable", f"job {job_id} is already {rec.status}; nothing to cancel")
         return _job_view(rec)
 
-    @app.get(f"{API_PREFIX}/jobs/{{job_id}}/outputs", response_model=OutputsView,
-             summary="Presigned URLs of the final MP4, the playlist and the committed segments")
+    @app.get(
+        f"{API_PREFIX}/jobs/{{job_id}}/outputs",
+        response_model=OutputsView,
+        summary="Presigned URLs of the final MP4, the playlist and the committed segments",
+    )
     def job_outputs(request: Request, job_id: str) -> OutputsView:
         tenant = _tenant(deps, request)
         rec = _get_own(deps, job_id, tenant)
@@ -597,8 +648,13 @@ def _install_routes(app: FastAPI, deps: _Deps) -> None:
         final = outputs.get("mp4")
         playlist = outputs.get("hls")
         segs = [
-            SegmentView(index=s.index, url=deps.objects.presign_get(s.key, expires), nbytes=s.nbytes,
-                        duration_s=s.duration_s, checksum=s.checksum)
+            SegmentView(
+                index=s.index,
+                url=deps.objects.presign_get(s.key, expires),
+                nbytes=s.nbytes,
+                duration_s=s.duration_s,
+                checksum=s.checksum,
+            )
             for s in deps.store.segments(job_id)
         ]
         return OutputsView(
@@ -606,14 +662,20 @@ def _install_routes(app: FastAPI, deps: _Deps) -> None:
             status=rec.status,
             partial=rec.outputs_partial or rec.status in ("failed", "cancelled"),
             final=deps.objects.presign_get(_key_of_uri(deps.objects, final), expires)
-            if final and rec.status == "succeeded" else None,
-            playlist=deps.objects.presign_get(_key_of_uri(deps.objects, playlist), expires) if playlist else None,
+            if final and rec.status == "succeeded"
+            else None,
+            playlist=deps.objects.presign_get(_key_of_uri(deps.objects, playlist), expires)
+            if playlist
+            else None,
             segments=segs,
             expires_s=expires,
         )
 
-    @app.get(f"{API_PREFIX}/jobs/{{job_id}}/preview", response_model=PreviewView,
-             summary="Where to watch the job while it renders (HLS playlist or KVS)")
+    @app.get(
+        f"{API_PREFIX}/jobs/{{job_id}}/preview",
+        response_model=PreviewView,
+        summary="Where to watch the job while it renders (HLS playlist or KVS)",
+    )
     def job_preview(request: Request, job_id: str) -> PreviewView:
         tenant = _tenant(deps, request)
         rec = _get_own(deps, job_id, tenant)
@@ -621,39 +683,65 @@ def _install_routes(app: FastAPI, deps: _Deps) -> None:
         if preview.kvs is not None:
             return _kvs_preview(deps, rec.id, preview.kvs.stream_name, preview.kvs.region)
         if not preview.hls:
-            return PreviewView(job_id=rec.id, kind="none", detail="the job was submitted with preview.hls=false")
+            return PreviewView(
+                job_id=rec.id, kind="none", detail="the job was submitted with preview.hls=false"
+            )
         if not deps.objects.exists(safe_key(job_prefix(rec.tenant, rec.id), PLAYLIST_NAME)):
-            return PreviewView(job_id=rec.id, kind="none",
-                               detail=f"no playlist yet (status {rec.status}); ask again once a chunk is committed")
+            return PreviewView(
+                job_id=rec.id,
+                kind="none",
+                detail=f"no playlist yet (status {rec.status}); ask again once a chunk is committed",
+            )
         expires = deps.settings.presign_expires_s
         exp = int(time.time()) + expires
-        url = str(request.url_for("preview_playlist", job_id=rec.id).include_query_params(
-            exp=exp, sig=deps.signer.sign(rec.id, exp)))
-        return PreviewView(job_id=rec.id, kind="hls", url=url, expires_s=expires,
-                           detail="HLS EVENT playlist; every segment URL in it is presigned")
+        url = str(
+            request.url_for("preview_playlist", job_id=rec.id).include_query_params(
+                exp=exp, sig=deps.signer.sign(rec.id, exp)
+            )
+        )
+        return PreviewView(
+            job_id=rec.id,
+            kind="hls",
+            url=url,
+            expires_s=expires,
+            detail="HLS EVENT playlist; every segment URL in it is presigned",
+        )
 
-    @app.get(f"{API_PREFIX}/jobs/{{job_id}}/preview.m3u8", name="preview_playlist",
-             summary="The job's live HLS playlist with presigned segment URLs (signed link, no bearer)",
-             response_class=Response, responses={200: {"content": {"application/vnd.apple.mpegurl": {}}}})
+    @app.get(
+        f"{API_PREFIX}/jobs/{{job_id}}/preview.m3u8",
+        name="preview_playlist",
+        summary="The job's live HLS playlist with presigned segment URLs (signed link, no bearer)",
+        response_class=Response,
+        responses={200: {"content": {"application/vnd.apple.mpegurl": {}}}},
+    )
     def preview_playlist(job_id: str, exp: int, sig: str) -> Response:
         # Players reload this URL without our bearer header: the signed link is the authorisation.
         if not _JOB_ID_RE.match(job_id) or not deps.signer.check(job_id, exp, sig):
-            raise ApiError(403, "bad_signature", "this preview link is invalid or expired; get a fresh one "
-                           "from GET /v1/jobs/{job_id}/preview")
+            raise ApiError(
+                403,
+                "bad_signature",
+                "this preview link is invalid or expired; get a fresh one from GET /v1/jobs/{job_id}/preview",
+            )
         rec = deps.store.get(job_id)
         if rec is None:
             raise ApiError(404, "not_found", f"job {job_id} not found")
         try:
-            body = presigned_playlist(deps.objects, job_prefix(rec.tenant, rec.id),
-                                      expires_s=max(60, exp - int(time.time())))
+            body = presigned_playlist(
+                deps.objects, job_prefix(rec.tenant, rec.id), expires_s=max(60, exp - int(time.time()))
+            )
         except ObjectNotFoundError as exc:
             raise ApiError(404, "not_found", f"job {job_id} has no playlist yet") from exc
         except ValueError as exc:  # a name in the stored playlist escapes the job's directory
             logger.error("job %s: refusing to presign its playlist: %s", job_id, exc)
-            raise ApiError(500, "bad_playlist", f"job {job_id}: the stored playlist names an object outside "
-                           "the job; it was not served (see the API log)") from exc
-        return Response(body, media_type="application/vnd.apple.mpegurl",
-                        headers={"Cache-Control": "no-store"})
+            raise ApiError(
+                500,
+                "bad_playlist",
+                f"job {job_id}: the stored playlist names an object outside "
+                "the job; it was not served (see the API log)",
+            ) from exc
+        return Response(
+            body, media_type="application/vnd.apple.mpegurl", headers={"Cache-Control": "no-store"}
+        )
 
     @app.get("/healthz", summary="Database and broker reachability (200 ok / 503)")
     def healthz() -> JSONResponse:
@@ -671,9 +759,10 @@ def _install_routes(app: FastAPI, deps: _Deps) -> None:
         except Exception as exc:
             checks["broker"] = f"error: {type(exc).__name__}: {exc}"[:300]
         ok = all(v == "ok" for v in checks.values())
-        return JSONResponse({"status": "ok" if ok else "unavailable", **checks}, status_code=200 if ok else 503)
+        return JSONResponse(
+            {"status": "ok" if ok else "unavailable", **checks}, status_code=200 if ok else 503
+        )
 
     @app.get("/metrics", include_in_schema=False)
     def metrics() -> Response:
         return Response(generate_latest(deps.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-

@@ -57,9 +57,14 @@ __all__ = ["build_parser", "embedded_env", "main"]
 
 def _add_client_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("API connection")
-    g.add_argument("--api", metavar="URL", help="API base URL (default: LONGTAKE_API_URL or "
-                   "http://LONGTAKE_API_HOST:LONGTAKE_API_PORT)")
-    g.add_argument("--token", metavar="TOKEN", help="bearer token of your tenant (default: LONGTAKE_API_TOKEN)")
+    g.add_argument(
+        "--api",
+        metavar="URL",
+        help="API base URL (default: LONGTAKE_API_URL or http://LONGTAKE_API_HOST:LONGTAKE_API_PORT)",
+    )
+    g.add_argument(
+        "--token", metavar="TOKEN", help="bearer token of your tenant (default: LONGTAKE_API_TOKEN)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,12 +75,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    sub.add_parser("render", help="render one video locally (no servers)", add_help=False,
-                   description="Render one video on this machine; see `longtake render --help`.")
+    sub.add_parser(
+        "render",
+        help="render one video locally (no servers)",
+        add_help=False,
+        description="Render one video on this machine; see `longtake render --help`.",
+    )
 
-    p = sub.add_parser("submit", help="submit a render job to the API",
-                       description="Submit a job. Local files given to --image/--audio are uploaded; "
-                       "s3://, file:// and upload:// URIs are passed as they are.")
+    p = sub.add_parser(
+        "submit",
+        help="submit a render job to the API",
+        description="Submit a job. Local files given to --image/--audio are uploaded; "
+        "s3://, file:// and upload:// URIs are passed as they are.",
+    )
     p.add_argument("--image", required=True, help="reference image: a local file to upload, or a URI")
     p.add_argument("--audio", required=True, help="driving audio: a local file to upload, or a URI")
     p.add_argument("--text", help="text/scene prompt")
@@ -83,23 +95,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", help="model preset (default: the server's, 'tiny')")
     p.add_argument("--priority", type=int, help="0 (lowest) to 9 (highest)")
     p.add_argument("--idempotency-key", help="resubmitting with the same key returns the same job")
-    p.add_argument("--spec", type=Path, metavar="FILE", help="JSON file with further spec fields "
-                   "(output, preview, ...); command-line options override it")
+    p.add_argument(
+        "--spec",
+        type=Path,
+        metavar="FILE",
+        help="JSON file with further spec fields (output, preview, ...); command-line options override it",
+    )
     p.add_argument("--wait", action="store_true", help="then wait for the job, with a progress bar")
     p.add_argument("--json", action="store_true", help="print the job as JSON")
     _add_client_args(p)
 
-    p = sub.add_parser("status", help="show one job, or list your jobs",
-                       description="Show a job (with JOB_ID) or list your jobs, newest first.")
+    p = sub.add_parser(
+        "status",
+        help="show one job, or list your jobs",
+        description="Show a job (with JOB_ID) or list your jobs, newest first.",
+    )
     p.add_argument("job_id", nargs="?", help="job id (omit to list)")
-    p.add_argument("--status", dest="filter_status",
-                   choices=["queued", "running", "succeeded", "failed", "cancelled"], help="list filter")
+    p.add_argument(
+        "--status",
+        dest="filter_status",
+        choices=["queued", "running", "succeeded", "failed", "cancelled"],
+        help="list filter",
+    )
     p.add_argument("--limit", type=int, default=20, help="list at most this many (default 20)")
     p.add_argument("--json", action="store_true", help="print JSON")
     _add_client_args(p)
 
-    p = sub.add_parser("wait", help="wait for a job, with a progress bar",
-                       description="Poll a job until it ends; show chunks done, frames/s and ETA.")
+    p = sub.add_parser(
+        "wait",
+        help="wait for a job, with a progress bar",
+        description="Poll a job until it ends; show chunks done, frames/s and ETA.",
+    )
     p.add_argument("job_id")
     p.add_argument("--timeout", type=float, help="give up after this many seconds (the job keeps running)")
     p.add_argument("--poll", type=float, default=1.0, help="seconds between polls (default 1)")
@@ -120,8 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job_id")
     _add_client_args(p)
 
-    p = sub.add_parser("worker", help="run a Celery render worker for this node",
-                       description="Run one Celery worker: one job at a time, no prefetch, late ack.")
+    p = sub.add_parser(
+        "worker",
+        help="run a Celery render worker for this node",
+        description="Run one Celery worker: one job at a time, no prefetch, late ack.",
+    )
     p.add_argument("--hostname", help="Celery node name (default: longtake@<host>)")
     p.add_argument("--loglevel", default=None, help="Celery log level (default: LONGTAKE_LOG_LEVEL)")
 
@@ -141,7 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
         "directory as object store, and a SQLite-backed Celery broker (kombu sqla transport), all "
         "under --home. The code path is the production one; only the settings differ.",
     )
-    p.add_argument("--home", type=Path, default=Path(".longtake"), help="state directory (default ./.longtake)")
+    p.add_argument(
+        "--home", type=Path, default=Path(".longtake"), help="state directory (default ./.longtake)"
+    )
     p.add_argument("--host", default="127.0.0.1", help="API bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="API port (default 8000)")
     p.add_argument("--no-worker", action="store_true", help="run only the API")
@@ -269,7 +300,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _wait(client: LongtakeClient, job_id: str, *, timeout_s: float | None, poll_s: float, progress: bool) -> int:
+def _wait(
+    client: LongtakeClient, job_id: str, *, timeout_s: float | None, poll_s: float, progress: bool
+) -> int:
     from tqdm import tqdm
 
     bar: tqdm[int] | None = None
@@ -281,8 +314,7 @@ def _wait(client: LongtakeClient, job_id: str, *, timeout_s: float | None, poll_
         if not progress:
             return
         if bar is None:
-            bar = tqdm(total=p.num_chunks, unit="chunk", desc=job_id[:8], file=sys.stderr,
-                       dynamic_ncols=True)
+            bar = tqdm(total=p.num_chunks, unit="chunk", desc=job_id[:8], file=sys.stderr, dynamic_ncols=True)
         if p.num_chunks is not None and bar.total != p.num_chunks:
             bar.total = p.num_chunks
         # frames/s over the last poll interval: what the user feels, not a lifetime average
@@ -307,8 +339,9 @@ def _wait(client: LongtakeClient, job_id: str, *, timeout_s: float | None, poll_
 def cmd_wait(args: argparse.Namespace) -> int:
     with _client(args) as client:
         try:
-            return _wait(client, args.job_id, timeout_s=args.timeout, poll_s=args.poll,
-                         progress=not args.no_progress)
+            return _wait(
+                client, args.job_id, timeout_s=args.timeout, poll_s=args.poll, progress=not args.no_progress
+            )
         except TimeoutError as exc:
             print(f"longtake wait: {exc}", file=sys.stderr)
             return EXIT_JOB_FAILED
@@ -349,14 +382,20 @@ def worker_argv(settings: Settings, *, hostname: str | None, loglevel: str | Non
     """
     return [
         "worker",
-        "--pool", "solo",
-        "--concurrency", "1",
-        "--prefetch-multiplier", "1",
+        "--pool",
+        "solo",
+        "--concurrency",
+        "1",
+        "--prefetch-multiplier",
+        "1",
         "--without-gossip",
         "--without-mingle",
-        "--queues", settings.queue_name,
-        "--hostname", hostname or "longtake@%h",
-        "--loglevel", loglevel or settings.log_level,
+        "--queues",
+        settings.queue_name,
+        "--hostname",
+        hostname or "longtake@%h",
+        "--loglevel",
+        loglevel or settings.log_level,
     ]
 
 
@@ -391,8 +430,12 @@ def cmd_api(args: argparse.Namespace) -> int:
     celery = create_celery_app(settings)
     serverless_broker_fix(celery, settings.broker_url)
     app = create_app(settings, celery=celery)
-    uvicorn.run(app, host=args.host or settings.api_host, port=args.port or settings.api_port,
-                log_level=settings.log_level.lower())
+    uvicorn.run(
+        app,
+        host=args.host or settings.api_host,
+        port=args.port or settings.api_port,
+        log_level=settings.log_level.lower(),
+    )
     return EXIT_OK
 
 
@@ -421,8 +464,9 @@ def cmd_reap(args: argparse.Namespace) -> int:
             serverless_broker_fix(celery, settings.broker_url)
             for job_id in ids:
                 rec = store.get(job_id)
-                enqueue_render(celery, job_id, queue=settings.queue_name,
-                               priority=rec.priority if rec is not None else 5)
+                enqueue_render(
+                    celery, job_id, queue=settings.queue_name, priority=rec.priority if rec is not None else 5
+                )
         print(f"requeued {len(ids)} job(s){': ' + ', '.join(ids) if ids else ''}")
         if args.every is None:
             return EXIT_OK

@@ -200,9 +200,7 @@ class LongtakeClient:
                     if not p.is_file():
                         raise FileNotFoundError(f"{name} file {p} does not exist; pass an existing file")
                     files[name] = (p.name, p.read_bytes(), "application/octet-stream")
-            resp = self._req("POST",
-                "/v1/jobs/upload", data={"spec": json.dumps(dict(spec))}, files=files
-            )
+            resp = self._req("POST", "/v1/jobs/upload", data={"spec": json.dumps(dict(spec))}, files=files)
         return JobView.model_validate(self._check(resp))
 
     def get(self, job_id: str) -> JobView:

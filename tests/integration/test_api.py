@@ -93,8 +93,11 @@ class Api:
         return out
 
     def queue_len(self) -> int:
-        return sum(int(self.redis.llen(k)) for k in self.redis.scan_iter(f"{QUEUE}*")
-                   if self.redis.type(k) == b"list")
+        return sum(
+            int(self.redis.llen(k))
+            for k in self.redis.scan_iter(f"{QUEUE}*")
+            if self.redis.type(k) == b"list"
+        )
 
     def job_rows(self) -> int:
         with self.engine.connect() as conn:
@@ -151,7 +154,10 @@ def _clean(request: pytest.FixtureRequest) -> None:
 
 
 def _spec(**over: object) -> dict[str, object]:
-    spec: dict[str, object] = {"image": "s3://inputs-bucket/faces/a.png", "audio": "s3://inputs-bucket/speech/a.wav"}
+    spec: dict[str, object] = {
+        "image": "s3://inputs-bucket/faces/a.png",
+        "audio": "s3://inputs-bucket/speech/a.wav",
+    }
     spec.update(over)
     return spec
 
@@ -194,7 +200,9 @@ def test_concurrent_submissions_with_one_key_make_one_job(api: Api) -> None:
     body = _spec(idempotency_key="burst-1")
 
     def post(_: int) -> httpx.Response:
-        return httpx.post(f"{api.url}/v1/jobs", json=body, headers={"Authorization": f"Bearer {TOKEN_A}"}, timeout=60)
+        return httpx.post(
+            f"{api.url}/v1/jobs", json=body, headers={"Authorization": f"Bearer {TOKEN_A}"}, timeout=60
+        )
 
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(post, range(8)))
@@ -225,9 +233,15 @@ BAD_SUBMISSIONS = [
     pytest.param({"colour": "red"}, 422, "colour", "remove it", id="unknown-field"),
     pytest.param({"seed": -1}, 422, "seed", "greater than or equal to 0", id="negative-seed"),
     pytest.param({"text": "x" * 2001}, 422, "text", "shorten", id="text-over-limit"),
-    pytest.param({"image": "file:///etc/passwd"}, 422, "image", "outside the allowed root", id="file-outside-root"),
-    pytest.param({"audio": "s3://inputs-bucket/speech/../../secret.wav"}, 422, "audio", "'..'", id="dotdot-in-key"),
-    pytest.param({"image": "upload://../../tenant-b/uploads/x"}, 422, "image", "upload://<id>", id="dotdot-upload"),
+    pytest.param(
+        {"image": "file:///etc/passwd"}, 422, "image", "outside the allowed root", id="file-outside-root"
+    ),
+    pytest.param(
+        {"audio": "s3://inputs-bucket/speech/../../secret.wav"}, 422, "audio", "'..'", id="dotdot-in-key"
+    ),
+    pytest.param(
+        {"image": "upload://../../tenant-b/uploads/x"}, 422, "image", "upload://<id>", id="dotdot-upload"
+    ),
     pytest.param({"image": "http://example.com/a.png"}, 422, "image", "use s3://", id="bad-scheme"),
     pytest.param({"tenant": "tenant-b"}, 422, "tenant", "remove the field", id="tenant-in-spec"),
     pytest.param({"priority": 12}, 422, "priority", "less than or equal to 9", id="priority-range"),
@@ -238,7 +252,9 @@ BAD_SUBMISSIONS = [
 def test_bad_submission_is_4xx_names_field_and_fix_and_queues_nothing(
     api: Api, over: dict[str, object], status: int, field: str, fix: str
 ) -> None:
-    resp = httpx.post(f"{api.url}/v1/jobs", json=_spec(**over), headers={"Authorization": f"Bearer {TOKEN_A}"})
+    resp = httpx.post(
+        f"{api.url}/v1/jobs", json=_spec(**over), headers={"Authorization": f"Bearer {TOKEN_A}"}
+    )
     assert resp.status_code == status, resp.text
     body = resp.json()
     assert body["error"] == "invalid_spec"
@@ -260,7 +276,9 @@ def test_file_uri_under_the_allowed_root_is_accepted(api: Api) -> None:
     [None, "Bearer not-a-real-token-at-all", f"Basic {TOKEN_A}", "Bearer", f"Bearer {TOKEN_A}x"],
     ids=["missing", "unknown", "wrong-scheme", "empty", "extended"],
 )
-def test_missing_or_bad_token_is_401_with_www_authenticate_and_queues_nothing(api: Api, auth: str | None) -> None:
+def test_missing_or_bad_token_is_401_with_www_authenticate_and_queues_nothing(
+    api: Api, auth: str | None
+) -> None:
     headers = {"Authorization": auth} if auth is not None else {}
     resp = httpx.post(f"{api.url}/v1/jobs", json=_spec(), headers=headers)
     assert resp.status_code == 401
@@ -268,14 +286,20 @@ def test_missing_or_bad_token_is_401_with_www_authenticate_and_queues_nothing(ap
     assert "Bearer" in resp.json()["message"] or "token" in resp.json()["message"]
     assert api.queue_len() == 0 and api.job_rows() == 0
     # every other route is closed too
-    for method, path in [("GET", "/v1/jobs"), ("GET", f"/v1/jobs/{uuid.uuid4()}"),
-                         ("POST", f"/v1/jobs/{uuid.uuid4()}/cancel")]:
+    for method, path in [
+        ("GET", "/v1/jobs"),
+        ("GET", f"/v1/jobs/{uuid.uuid4()}"),
+        ("POST", f"/v1/jobs/{uuid.uuid4()}/cancel"),
+    ]:
         assert httpx.request(method, api.url + path, headers=headers).status_code == 401
 
 
 def test_invalid_json_body_is_400(api: Api) -> None:
-    resp = httpx.post(f"{api.url}/v1/jobs", content=b"{not json", headers={
-        "Authorization": f"Bearer {TOKEN_A}", "Content-Type": "application/json"})
+    resp = httpx.post(
+        f"{api.url}/v1/jobs",
+        content=b"{not json",
+        headers={"Authorization": f"Bearer {TOKEN_A}", "Content-Type": "application/json"},
+    )
     assert resp.status_code == 400 and "not valid JSON" in resp.json()["message"]
     assert api.queue_len() == 0 and api.job_rows() == 0
 
@@ -292,7 +316,9 @@ def test_another_tenants_job_is_404_exactly_like_a_missing_one(api: Api) -> None
         theirs = httpx.get(f"{api.url}/v1/jobs/{job.id}{suffix}", headers=hb)
         nobody = httpx.get(f"{api.url}/v1/jobs/{missing}{suffix}", headers=hb)
         assert theirs.status_code == nobody.status_code == 404
-        assert theirs.json()["message"].replace(job.id, "ID") == nobody.json()["message"].replace(missing, "ID")
+        assert theirs.json()["message"].replace(job.id, "ID") == nobody.json()["message"].replace(
+            missing, "ID"
+        )
     cancel = httpx.post(f"{api.url}/v1/jobs/{job.id}/cancel", headers=hb)
     assert cancel.status_code == 404
     rec = api.store.get(job.id)
@@ -440,8 +466,10 @@ def _finish_job(api: Api, job_id: str) -> tuple[bytes, list[bytes]]:
     final = b"init" + b"".join(segs)
     api.objects.put_bytes(prefix + "final.mp4", final)
     api.objects.put_bytes(prefix + "index.m3u8", b"#EXTM3U\n")
-    api.store.finish(lease, outputs={"mp4": api.objects.uri(prefix + "final.mp4"),
-                                     "hls": api.objects.uri(prefix + "index.m3u8")})
+    api.store.finish(
+        lease,
+        outputs={"mp4": api.objects.uri(prefix + "final.mp4"), "hls": api.objects.uri(prefix + "index.m3u8")},
+    )
     return final, segs
 
 
@@ -484,7 +512,9 @@ def _put_preview(objects: ObjectStore, prefix: str) -> dict[str, bytes]:
 
 def _playlist_uris(text_: str) -> list[str]:
     uris = [line for line in text_.splitlines() if line and not line.startswith("#")]
-    maps = [line.split('URI="', 1)[1].rstrip('"') for line in text_.splitlines() if line.startswith("#EXT-X-MAP")]
+    maps = [
+        line.split('URI="', 1)[1].rstrip('"') for line in text_.splitlines() if line.startswith("#EXT-X-MAP")
+    ]
     return maps + uris
 
 
@@ -497,7 +527,9 @@ def test_preview_hls_and_none(api: Api) -> None:
         assert view.kind == "hls" and view.url and view.expires_s == api.settings.presign_expires_s
         # the signed link needs no bearer token (players do not send one)
         resp = httpx.get(view.url)
-        assert resp.status_code == 200 and resp.headers["content-type"].startswith("application/vnd.apple.mpegurl")
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith(
+            "application/vnd.apple.mpegurl"
+        )
         uris = _playlist_uris(resp.text)
         assert [Path(u.removeprefix("file://")).read_bytes() for u in uris] == list(media.values())
         tampered = view.url.replace("sig=", "sig=0")
@@ -511,8 +543,10 @@ def test_preview_hls_and_none(api: Api) -> None:
 def test_tampered_playlist_is_not_presigned(api: Api) -> None:
     with api.client() as c:
         job = c.submit(_spec())
-        api.objects.put_bytes(job_prefix("tenant-a", job.id) + "index.m3u8",
-                              b'#EXTM3U\n#EXT-X-MAP:URI="../other-job/init.mp4"\nseg.m4s\n')
+        api.objects.put_bytes(
+            job_prefix("tenant-a", job.id) + "index.m3u8",
+            b'#EXTM3U\n#EXT-X-MAP:URI="../other-job/init.mp4"\nseg.m4s\n',
+        )
         view = c.preview(job.id)
     assert view.url is not None
     resp = httpx.get(view.url)
@@ -520,24 +554,31 @@ def test_tampered_playlist_is_not_presigned(api: Api) -> None:
     assert "file://" not in resp.text
 
 
-def test_kvs_preview_gets_a_live_hls_session_url(
-    api: Api, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_kvs_preview_gets_a_live_hls_session_url(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
     """GetDataEndpoint + GetHLSStreamingSessionURL against the local KVS stand-in (SigV4 checked)."""
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", kvs_standin.ACCESS_KEY)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", kvs_standin.SECRET_KEY)
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     standin = kvs_standin.KVSStandIn(streams={"avatar-live"})
-    app = create_app(api.settings, engine=api.engine, objects=api.objects,
-                     celery=create_celery_app(api.settings), kvs_endpoint_url=standin.url)
+    app = create_app(
+        api.settings,
+        engine=api.engine,
+        objects=api.objects,
+        celery=create_celery_app(api.settings),
+        kvs_endpoint_url=standin.url,
+    )
     server, thread, url = _serve(app)
     try:
         with LongtakeClient(url, TOKEN_A) as c:
-            live = c.submit(_spec(preview={"kvs": {"stream_name": "avatar-live", "region": kvs_standin.REGION}}))
+            live = c.submit(
+                _spec(preview={"kvs": {"stream_name": "avatar-live", "region": kvs_standin.REGION}})
+            )
             view = c.preview(live.id)
             assert view.kind == "kvs" and view.url is not None
             assert view.url.startswith(f"{standin.url}/hls/v1/getHLSMasterPlaylist.m3u8?SessionToken=")
-            gone = c.submit(_spec(preview={"kvs": {"stream_name": "no-such-stream", "region": kvs_standin.REGION}}))
+            gone = c.submit(
+                _spec(preview={"kvs": {"stream_name": "no-such-stream", "region": kvs_standin.REGION}})
+            )
             missing = c.preview(gone.id)
             assert missing.kind == "kvs" and missing.url is None
             assert "'no-such-stream'" in missing.detail and "credentials" in missing.detail
@@ -592,13 +633,18 @@ def test_healthz_ok(api: Api) -> None:
 
 def test_healthz_503_when_broker_or_database_is_down(pg_engine: Engine, tmp_path: Path) -> None:
     dead_port = _free_port()
-    settings = Settings(database_url=PG_URL, broker_url=f"redis://127.0.0.1:{dead_port}/3",
-                        api_tokens={TOKEN_A: "tenant-a"})
+    settings = Settings(
+        database_url=PG_URL, broker_url=f"redis://127.0.0.1:{dead_port}/3", api_tokens={TOKEN_A: "tenant-a"}
+    )
     dead_db = make_engine(f"postgresql+psycopg://postgres@127.0.0.1:{dead_port}/nope")
     for engine, broken in ((pg_engine, "broker"), (dead_db, "database")):
         broker = settings.broker_url if broken == "broker" else REDIS_URL
-        app = create_app(settings, engine=engine, objects=LocalObjectStore(tmp_path),
-                         celery=create_celery_app(settings.model_copy(update={"broker_url": broker})))
+        app = create_app(
+            settings,
+            engine=engine,
+            objects=LocalObjectStore(tmp_path),
+            celery=create_celery_app(settings.model_copy(update={"broker_url": broker})),
+        )
         server, thread, url = _serve(app)
         try:
             resp = httpx.get(f"{url}/healthz", timeout=30)
@@ -615,8 +661,14 @@ def test_openapi_documents_the_job_spec_and_routes(api: Api) -> None:
     assert doc["components"]["schemas"]["JobSpec"]["additionalProperties"] is False
     body = doc["paths"]["/v1/jobs"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body == {"$ref": "#/components/schemas/JobSpec"}
-    for path in ["/v1/jobs/upload", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/cancel",
-                 "/v1/jobs/{job_id}/outputs", "/v1/jobs/{job_id}/preview", "/healthz"]:
+    for path in [
+        "/v1/jobs/upload",
+        "/v1/jobs/{job_id}",
+        "/v1/jobs/{job_id}/cancel",
+        "/v1/jobs/{job_id}/outputs",
+        "/v1/jobs/{job_id}/preview",
+        "/healthz",
+    ]:
         assert path in doc["paths"], path
     assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
 

@@ -17,13 +17,27 @@ import pytest
 from worker import cli
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-SUBCOMMANDS = ["submit", "status", "wait", "fetch", "cancel", "preview", "worker", "api", "migrate", "reap", "up"]
+SUBCOMMANDS = [
+    "submit",
+    "status",
+    "wait",
+    "fetch",
+    "cancel",
+    "preview",
+    "worker",
+    "api",
+    "migrate",
+    "reap",
+    "up",
+]
 
 
 def test_top_level_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
@@ -63,17 +77,32 @@ def test_client_commands_take_api_and_token(capsys: pytest.CaptureFixture[str]) 
         ([], "the following arguments are required: COMMAND"),
     ],
 )
-def test_usage_errors_exit_2_with_message(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_usage_errors_exit_2_with_message(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exc:
         cli.main(argv)
     assert exc.value.code == 2
     assert needle in capsys.readouterr().err
 
 
-def test_submit_missing_local_file_names_the_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_submit_missing_local_file_names_the_option(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     missing = tmp_path / "nope.png"
-    rc = cli.main(["submit", "--image", str(missing), "--audio", "s3://bucket/a.wav",
-                   "--api", "http://127.0.0.1:9", "--token", "t" * 16])
+    rc = cli.main(
+        [
+            "submit",
+            "--image",
+            str(missing),
+            "--audio",
+            "s3://bucket/a.wav",
+            "--api",
+            "http://127.0.0.1:9",
+            "--token",
+            "t" * 16,
+        ]
+    )
     assert rc == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert f"--image {missing}: no such file" in err
@@ -84,8 +113,17 @@ def test_submit_without_token_says_how_to_give_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("LONGTAKE_API_TOKEN", raising=False)
-    rc = cli.main(["submit", "--image", "s3://bucket/f.png", "--audio", "s3://bucket/a.wav",
-                   "--api", "http://127.0.0.1:9"])
+    rc = cli.main(
+        [
+            "submit",
+            "--image",
+            "s3://bucket/f.png",
+            "--audio",
+            "s3://bucket/a.wav",
+            "--api",
+            "http://127.0.0.1:9",
+        ]
+    )
     assert rc == cli.EXIT_USAGE
     assert "pass --token TOKEN or set LONGTAKE_API_TOKEN" in capsys.readouterr().err
 
@@ -93,8 +131,21 @@ def test_submit_without_token_says_how_to_give_one(
 def test_submit_spec_file_must_be_an_object(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     spec = tmp_path / "spec.json"
     spec.write_text("[1, 2]")
-    rc = cli.main(["submit", "--image", "s3://b1/f.png", "--audio", "s3://b1/a.wav", "--spec", str(spec),
-                   "--token", "t" * 16, "--api", "http://127.0.0.1:9"])
+    rc = cli.main(
+        [
+            "submit",
+            "--image",
+            "s3://b1/f.png",
+            "--audio",
+            "s3://b1/a.wav",
+            "--spec",
+            str(spec),
+            "--token",
+            "t" * 16,
+            "--api",
+            "http://127.0.0.1:9",
+        ]
+    )
     assert rc == cli.EXIT_USAGE
     assert "must hold a JSON object" in capsys.readouterr().err
 
@@ -144,7 +195,9 @@ def test_worker_flags_run_one_task_at_a_time_without_prefetch() -> None:
     assert "--without-gossip" in argv and "--without-mingle" in argv
 
 
-def test_embedded_env_is_serverless_and_loads_into_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_embedded_env_is_serverless_and_loads_into_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from worker.settings import Settings
 
     env = cli.embedded_env(tmp_path / "home", host="127.0.0.1", port=8123, token="tok-" + "x" * 12)
@@ -163,8 +216,14 @@ def test_embedded_env_is_serverless_and_loads_into_settings(tmp_path: Path, monk
 
 def test_python_m_worker_cli_runs(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "worker.cli", "--help"], capture_output=True, text=True,
-                         timeout=60, env=env, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "worker.cli", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0 and "usage: longtake" in out.stdout
 
 
@@ -211,8 +270,13 @@ def test_up_then_submit_wait_fetch_on_embedded_defaults(
         "LONGTAKE_REAPER_ENABLED": "false",
     }
     log = (tmp_path / "up.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "up", "--home", str(home), "--port", str(port)],
-                            env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli", "up", "--home", str(home), "--port", str(port)],
+        env=env,
+        cwd=tmp_path,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, proc)
