@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.process import AuthenticationString as _AuthKey  # type: ignore[attr-defined]
 from pathlib import Path
 from typing import Any, Literal
 
@@ -171,10 +172,10 @@ def _children_allowed() -> Iterator[None]:
     cfg = mp.current_process()._config  # type: ignore[attr-defined]
     daemon = cfg.pop("daemon", None)
     authkey = cfg.get("authkey")
-    if authkey is not None and not isinstance(authkey, mp.process.AuthenticationString):
+    if authkey is not None and not isinstance(authkey, _AuthKey):
         # billiard (the prefork pool) leaves its own AuthenticationString type here, which the
         # stdlib spawn refuses to pickle; give the child a key of the stdlib type
-        cfg["authkey"] = mp.process.AuthenticationString(bytes(authkey))
+        cfg["authkey"] = _AuthKey(bytes(authkey))
     try:
         yield
     finally:
