@@ -65,7 +65,7 @@ def _outage_run(server: MotoServer, tmp_path: Path, outage_s: float) -> None:
         time.sleep(pace)
     resumed.wait()
     # the render never waited on the outage: every write returned at once
-    assert max(waits) < 0.25, waits
+    assert max(waits) < 1.0, waits  # far below the outage: nothing waited on S3
     sink.close(ok=True)
     assert [c.index for c in commits] == list(range(len(sample.fragments)))
     for c in commits:
@@ -109,7 +109,7 @@ def test_s3_gone_for_good(own_moto: MotoServer) -> None:
             sink.write(frag)
             time.sleep(0.3)
         sink.close(ok=True)
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 60
     assert info.value.retryable
     assert "give_up_after_s=3" in str(info.value)
     own_moto.resume()  # to look at what is left: committed segments stay, nothing looks finished
