@@ -124,6 +124,7 @@ class DeliveryCounters:
     num_parts: int = 0
     num_retries: int = 0
     num_playlist_skips: int = 0
+    num_spilled: int = 0  # fragments spooled to disk while uploads were behind
 
     @property
     def media_bytes(self) -> int:
@@ -314,6 +315,7 @@ class S3ProgressiveSink:
             in_ram = [it for it in self._backlog.items if it.spool is None]
             for old in in_ram[: max(0, len(in_ram) - self._max_in_memory)]:
                 old.spill()
+                self.counters.num_spilled += 1
             self._cond.notify_all()
 
     def close(self, *, ok: bool) -> None:

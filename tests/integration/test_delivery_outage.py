@@ -74,6 +74,7 @@ def _outage_run(server: MotoServer, tmp_path: Path, outage_s: float) -> None:
     # the outage was felt: fragments handed over during it were committed only after it ended
     held = [i for i, t in written_at.items() if t < resumed_at[0] and commit_at[i] > resumed_at[0]]
     assert len(held) >= 2, (written_at, commit_at, resumed_at)
+    assert sink.counters.num_spilled > 0  # the backlog went to disk, not RAM
     if outage_s >= 10:
         assert store.num_failed_attempts > 0
     out = tmp_path / "final.mp4"
