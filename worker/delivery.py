@@ -319,6 +319,9 @@ class S3ProgressiveSink:
             self._cond.notify_all()
 
     def close(self, *, ok: bool) -> None:
+        """Wait for the backlog to be delivered; with ``ok`` finish the MP4 and the playlist.
+        Raises :class:`SinkError` if delivery failed, except with ``ok=False`` (the render's own
+        error wins; the failure is logged)."""
         if self._closed:
             return
         self._closed = True
@@ -330,6 +333,10 @@ class S3ProgressiveSink:
             self._cond.notify_all()
         self._thread.join()
         with self._cond:
+            if not ok and self._failure is not None:
+                # the render is already failing; its own error is the one to report
+                logger.warning("delivery to %s had failed too: %s", self._where, self._failure)
+                return
             self._raise_if_failed()
 
     # ------------------------------------------------------------------ public helpers
