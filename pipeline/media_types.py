@@ -6,7 +6,7 @@ S3 progressive upload, KVS live preview) consumes them. Sinks never see raw fram
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 
@@ -18,7 +18,7 @@ class InitSegment:
     reuse the one already stored.
     """
 
-    data: bytes
+    data: bytes = field(repr=False)
     width: int
     height: int
     fps: int
@@ -39,13 +39,13 @@ class Fragment:
     """
 
     index: int
-    data: bytes
+    data: bytes = field(repr=False)
     first_frame: int
     num_frames: int
     start_s: float
     duration_s: float
     is_last: bool = False
-    resume_state: bytes | None = None
+    resume_state: bytes | None = field(default=None, repr=False)
 
 
 @runtime_checkable

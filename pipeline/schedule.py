@@ -22,14 +22,14 @@ The plan is consumed by the pipeline and by the resume logic of the worker, both
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 
 class PlanError(ValueError):
     """A chunk-plan parameter is out of range; the message names the field and the fix."""
 
 
-class ChunkKind(str, Enum):
+class ChunkKind(StrEnum):
     N = "N"
     I = "I"  # noqa: E741 - the write-up's name for interpolation chunks
 
@@ -68,13 +68,6 @@ class ChunkStep:
     @property
     def name(self) -> str:
         return f"{self.kind.value}{self.index}"
-
-    @property
-    def ordinal(self) -> int:
-        """Position of the step in execution order (N0=0, N1=1, I0=2, N2=3, I1=4, …)."""
-        if self.kind is ChunkKind.N:
-            return 0 if self.index == 0 else 2 * self.index - 1
-        return 2 * self.index + 2
 
     def known_mask(self) -> list[bool]:
         """Per window frame: True where the frame is given clean."""

@@ -7,7 +7,8 @@ store happens on the sink's own upload thread, in fragment order:
 
 1. preview on: ``seg_%05d.m4s`` (the fragment), ``state_%05d.bin`` (its resume state), then
    ``index.m3u8`` (HLS EVENT playlist, ``EXT-X-MAP`` -> ``init.mp4``) rewritten so it references only
-   segments already uploaded; then ``on_commit(CommittedSegment)``;
+   segments already uploaded (skipped when the rewrites would exceed ``playlist_budget`` of the
+   segment bytes — only in very long low-bitrate renders); then ``on_commit(CommittedSegment)``;
 2. the fragment joins the pending run of the final MP4; whenever init + pending runs reach
    ``part_min_bytes`` (5 MiB, S3's minimum part size) the run is uploaded as the next part of one
    multipart upload of ``final.mp4``, and a :class:`MultipartState` JSON (upload id, parts with their
@@ -122,6 +123,8 @@ class DeliveryCounters:
     num_segments: int = 0
     num_parts: int = 0
     num_retries: int = 0
+    num_playlist_skips: int = 0
+    num_spilled: int = 0  # fragments spooled to disk while uploads were behind
 
     @property
     def media_bytes(self) -> int:
@@ -231,6 +234,7 @@ class S3ProgressiveSink:
         max_in_memory: int = 2,
         max_backlog_bytes: int = 1024 * MIB,
         give_up_after_s: float = 120.0,
+        playlist_budget: float = 0.015,
     ) -> None:
         self.store = store
         self.prefix = prefix
@@ -247,6 +251,7 @@ class S3ProgressiveSink:
         self._max_in_memory = max(1, max_in_memory)
         self._max_backlog = max_backlog_bytes
         self._give_up_after_s = give_up_after_s
+        self._playlist_budget = playlist_budget
 
         done = sorted(committed, key=lambda s: s.index)
         if [s.index for s in done] != list(range(len(done))):
@@ -310,9 +315,13 @@ class S3ProgressiveSink:
             in_ram = [it for it in self._backlog.items if it.spool is None]
             for old in in_ram[: max(0, len(in_ram) - self._max_in_memory)]:
                 old.spill()
+                self.counters.num_spilled += 1
             self._cond.notify_all()
 
     def close(self, *, ok: bool) -> None:
+        """Wait for the backlog to be delivered; with ``ok`` finish the MP4 and the playlist.
+        Raises :class:`SinkError` if delivery failed, except with ``ok=False`` (the render's own
+        error wins; the failure is logged)."""
         if self._closed:
             return
         self._closed = True
@@ -324,12 +333,22 @@ class S3ProgressiveSink:
             self._cond.notify_all()
         self._thread.join()
         with self._cond:
+            if not ok and self._failure is not None:
+                # the render is already failing; its own error is the one to report
+                logger.warning("delivery to %s had failed too: %s", self._where, self._failure)
+                return
             self._raise_if_failed()
 
     # ------------------------------------------------------------------ public helpers
     @property
     def committed(self) -> list[CommittedSegment]:
         return list(self._committed)
+
+    @property
+    def backlog_bytes(self) -> int:
+        """Bytes handed to ``write`` that the upload thread has not finished with (a gauge for metrics)."""
+        with self._cond:
+            return self._backlog.nbytes
 
     @property
     def multipart_state(self) -> MultipartState | None:
@@ -504,7 +523,7 @@ class S3ProgressiveSink:
             seg = CommittedSegment(fragment.index, key, len(data), fragment.duration_s, checksum, state_key,
                                    fragment.first_frame, fragment.num_frames)
             self._committed.append(seg)
-            self._put_playlist(ended=False)
+            self._put_playlist(ended=False, optional=True)
             self._commit(seg)
         else:
             self._unpart_commits.append((_replace(fragment, data=b"", resume_state=None), checksum, len(data)))
@@ -521,8 +540,16 @@ class S3ProgressiveSink:
                 retryable=False,
             ) from exc
 
-    def _put_playlist(self, *, ended: bool) -> None:
+    def _put_playlist(self, *, ended: bool, optional: bool = False) -> None:
         text = render_playlist(self._committed, init_uri=INIT_NAME, ended=ended).encode()
+        if optional and len(self._committed) > 1:
+            # Each rewrite re-sends the whole list (O(n^2) bytes over a render). Stay within
+            # playlist_budget of the segment bytes: every segment for ordinary sizes, thinning out
+            # only for very long, low-bitrate renders (keeps the 2.02x upload bound).
+            budget = self._playlist_budget * self.counters.segment_bytes
+            if self.counters.playlist_bytes + len(text) > budget:
+                self.counters.num_playlist_skips += 1
+                return
         self._put(self.playlist_key, text, "playlist_bytes", "application/vnd.apple.mpegurl")
 
     def _add_pending(self, index: int, data: bytes) -> None:

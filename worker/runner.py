@@ -28,9 +28,11 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.process import AuthenticationString as _AuthKey  # type: ignore[attr-defined]
 from pathlib import Path
 from typing import Any, Literal
 
@@ -162,6 +164,27 @@ def _child_main(conn: Connection, cancel: Any, job: RenderJob) -> None:
 
 
 # --------------------------------------------------------------------------------------- parent side
+@contextmanager
+def _children_allowed() -> Iterator[None]:
+    """Celery's prefork pool runs tasks in daemonic processes, and multiprocessing refuses to start
+    children from those (so that no orphans outlive an exiting daemon). The render child is
+    supervised here (joined, terminated, PR_SET_PDEATHSIG), so the flag is lifted for the start."""
+    cfg = mp.current_process()._config  # type: ignore[attr-defined]
+    daemon = cfg.pop("daemon", None)
+    authkey = cfg.get("authkey")
+    if authkey is not None and not isinstance(authkey, _AuthKey):
+        # billiard (the prefork pool) leaves its own AuthenticationString type here, which the
+        # stdlib spawn refuses to pickle; give the child a key of the stdlib type
+        cfg["authkey"] = _AuthKey(bytes(authkey))
+    try:
+        yield
+    finally:
+        if daemon is not None:
+            cfg["daemon"] = daemon
+        if authkey is not None:
+            cfg["authkey"] = authkey
+
+
 class RenderRunner:
     """Parent side of one attempt. ``stop_reason`` is polled: ``"cancel"`` (cooperative first),
     ``"lease_lost"`` (stop now), or None. Callbacks run on the caller's thread."""
@@ -194,9 +217,10 @@ class RenderRunner:
         ctx = mp.get_context("spawn")
         recv_conn, send_conn = ctx.Pipe(duplex=False)
         cancel = ctx.Event()
-        proc = ctx.Process(target=_child_main, args=(send_conn, cancel, self.job),
-                           name=f"render-{self.job.job_id[:8]}")
-        proc.start()
+        with _children_allowed():
+            proc = ctx.Process(target=_child_main, args=(send_conn, cancel, self.job),
+                               name=f"render-{self.job.job_id[:8]}")
+            proc.start()
         send_conn.close()  # the parent only reads; EOF then means the child is gone
         self.pid = proc.pid
         log.info("render process %s started", proc.pid)

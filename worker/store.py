@@ -202,6 +202,10 @@ class JobStore:
         self.default_max_attempts = max_attempts
         self._retry = retry or DbRetry()
 
+    def _greatest(self, column: Any, value: int) -> Any:
+        # SQLite's two-argument max() is PostgreSQL's greatest()
+        return func.max(column, value) if self.engine.dialect.name == "sqlite" else func.greatest(column, value)
+
     # ------------------------------------------------------------------ submission and reads
     def create(self, spec: JobSpec, *, tenant: str, max_attempts: int | None = None) -> JobRecord:
         """Insert a queued job, or return the tenant's existing job with the same idempotency key
@@ -343,7 +347,8 @@ class JobStore:
                 "lease_expires_at": now + timedelta(seconds=lease.lease_s), "updated_at": now,
             }
             if progress is not None:
-                values["progress_frames"] = progress.frames_done
+                # never backwards: a commit may already have recorded a later chunk
+                values["progress_frames"] = self._greatest(JobRow.progress_frames, progress.frames_done)
                 if progress.num_chunks is not None:
                     values["num_chunks"] = progress.num_chunks
                 if progress.num_frames is not None:
@@ -407,9 +412,7 @@ class JobStore:
                 s.execute(
                     update(JobRow).where(JobRow.id == lease.job_id)
                     .values(progress_chunks=count, progress_s=float(total_s),
-                            progress_frames=func.max(JobRow.progress_frames, seg.first_frame + seg.num_frames)
-                            if self.engine.dialect.name == "sqlite"
-                            else func.greatest(JobRow.progress_frames, seg.first_frame + seg.num_frames))
+                            progress_frames=self._greatest(JobRow.progress_frames, seg.first_frame + seg.num_frames))
                     .execution_options(synchronize_session=False)
                 )
 

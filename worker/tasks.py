@@ -206,6 +206,12 @@ class JobWorker:
             except LeaseLostError as exc:
                 log.warning("lease lost: %s", exc)
                 outcome = "lease_lost"
+            except Exception as exc:
+                # a bug or an outage in this worker, not in the render: give the attempt back now
+                # instead of leaving the lease to expire
+                log.exception("attempt %d broke in the worker", lease.attempt)
+                outcome = self._retry_or_fail(lease, None, code="worker_error", retryable=True,
+                                              message=f"worker {self.owner} failed: {type(exc).__name__}: {exc}")
             finally:
                 metrics.BUSY.set(0)
             metrics.ATTEMPTS.labels(outcome).inc()

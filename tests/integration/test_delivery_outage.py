@@ -65,7 +65,7 @@ def _outage_run(server: MotoServer, tmp_path: Path, outage_s: float) -> None:
         time.sleep(pace)
     resumed.wait()
     # the render never waited on the outage: every write returned at once
-    assert max(waits) < 0.25, waits
+    assert max(waits) < 1.0, waits  # far below the outage: nothing waited on S3
     sink.close(ok=True)
     assert [c.index for c in commits] == list(range(len(sample.fragments)))
     for c in commits:
@@ -74,6 +74,7 @@ def _outage_run(server: MotoServer, tmp_path: Path, outage_s: float) -> None:
     # the outage was felt: fragments handed over during it were committed only after it ended
     held = [i for i, t in written_at.items() if t < resumed_at[0] and commit_at[i] > resumed_at[0]]
     assert len(held) >= 2, (written_at, commit_at, resumed_at)
+    assert sink.counters.num_spilled > 0  # the backlog went to disk, not RAM
     if outage_s >= 10:
         assert store.num_failed_attempts > 0
     out = tmp_path / "final.mp4"
@@ -109,7 +110,7 @@ def test_s3_gone_for_good(own_moto: MotoServer) -> None:
             sink.write(frag)
             time.sleep(0.3)
         sink.close(ok=True)
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 60
     assert info.value.retryable
     assert "give_up_after_s=3" in str(info.value)
     own_moto.resume()  # to look at what is left: committed segments stay, nothing looks finished

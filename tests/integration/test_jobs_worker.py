@@ -13,9 +13,10 @@ from jobs_harness import JobsEnv, free_port, pid_alive
 pytestmark = pytest.mark.integration
 
 
-def test_one_job_end_to_end_with_metrics(jobs_env: JobsEnv) -> None:
+@pytest.mark.parametrize("pool", ["solo", "prefork"])
+def test_one_job_end_to_end_with_metrics(jobs_env: JobsEnv, pool: str) -> None:
     port = free_port()
-    jobs_env.start_worker("w1", METRICS_PORT=str(port))
+    jobs_env.start_worker("w1", pool=pool, METRICS_PORT=str(port))
     job = jobs_env.submit(seed=11, num_fragments=4, sleep_s=0.05)
     (rec,) = jobs_env.wait([job], timeout=60)
     assert rec.status == "succeeded", rec

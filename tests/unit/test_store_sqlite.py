@@ -57,6 +57,10 @@ def test_claim_fence_finish(store: JobStore) -> None:
     rec = store.get(job.id)
     assert rec is not None and rec.status == "running" and rec.chunks_done == 2 and rec.num_chunks == 3
     assert rec.frames_done == 24 and rec.seconds_done == pytest.approx(1.0)
+    # a late heartbeat carrying older progress does not move progress backwards
+    assert store.heartbeat(lease, progress=Progress(chunks_done=1, frames_done=12))
+    rec = store.get(job.id)
+    assert rec is not None and rec.frames_done == 24
     store.finish(lease, outputs={"mp4": "s3://b/out.mp4"})
     store.finish(lease, outputs={"mp4": "s3://b/out.mp4"})  # repeat after an unknown outcome
     rec = store.get(job.id)

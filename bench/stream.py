@@ -1,0 +1,102 @@
+"""Streaming vs batch render benchmark.
+
+    python -m bench.stream --preset tiny --seconds 10 --mode streaming --json
+
+Prints one JSON object: ttff_s, frames, video_s, wall_s, realtime_factor (video seconds per wall
+second), peak_rss_bytes, stage_s, model_s (per model and total), encode_s and overhead_ratio
+(wall / (model + encode)). Run each mode in its own process (peak RSS is a process high-water mark);
+``--compare`` does that for both modes side by side and prints the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from bench.inputs import DEMO_IMAGE, speech_wav
+
+
+def run_once(preset: str, seconds: float, mode: str, threads: int | None, image: Path | None,
+             checkpoint: Path | None, seed: int) -> dict[str, object]:
+    from pipeline.render import RenderRequest, render
+    from pipeline.sinks import FileSink
+
+    if threads:
+        torch.set_num_threads(threads)
+    with tempfile.TemporaryDirectory(prefix="longtake-bench-") as tmp:
+        audio = speech_wav(Path(tmp) / "speech.wav", seconds, seed=seed)
+        out = Path(tmp) / "out.mp4"
+        request = RenderRequest(image=image or DEMO_IMAGE, audio=audio, seed=seed, preset=preset,
+                                checkpoint=checkpoint)
+        r = render(request, [FileSink(out)], mode=mode)  # type: ignore[arg-type]
+        out_bytes = out.stat().st_size
+    model_total = sum(r.model_s.values())
+    return {
+        "preset": preset,
+        "mode": mode,
+        "threads": torch.get_num_threads(),
+        "ttff_s": r.ttff_s,
+        "frames": r.num_frames,
+        "video_s": r.duration_s,
+        "wall_s": r.wall_s,
+        "realtime_factor": r.duration_s / r.wall_s,
+        "fps": r.num_frames / r.wall_s,
+        "peak_rss_bytes": r.peak_rss_bytes,
+        "stage_s": r.stage_s,
+        "model_s": {**r.model_s, "total": model_total},
+        "encode_s": r.encode_s,
+        "overhead_ratio": r.wall_s / max(model_total + r.encode_s, 1e-9),
+        "fragments": r.num_fragments,
+        "output_bytes": out_bytes,
+        "random_init": r.random_init,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.stream", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--mode", choices=["streaming", "batch"], default="streaming")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--image", type=Path, default=None)
+    p.add_argument("--checkpoint", type=Path, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--compare", action="store_true",
+                   help="run streaming and batch in separate processes and print both plus ratios")
+    args = p.parse_args(argv)
+    if args.compare:
+        results = {}
+        for mode in ("streaming", "batch"):
+            cmd = [sys.executable, "-m", "bench.stream", "--preset", args.preset, "--seconds", str(args.seconds),
+                   "--mode", mode, "--seed", str(args.seed), "--json"]
+            if args.threads:
+                cmd += ["--threads", str(args.threads)]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            results[mode] = json.loads(out.strip().splitlines()[-1])
+        s, b = results["streaming"], results["batch"]
+        results["ratios"] = {
+            "ttff_batch_over_streaming": b["ttff_s"] / s["ttff_s"],
+            "wall_batch_over_streaming": b["wall_s"] / s["wall_s"],
+            "peak_rss_batch_over_streaming": b["peak_rss_bytes"] / s["peak_rss_bytes"],
+        }
+        print(json.dumps(results, indent=None if args.json else 2))
+        return 0
+    result = run_once(args.preset, args.seconds, args.mode, args.threads, args.image, args.checkpoint, args.seed)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for k, v in result.items():
+            print(f"{k:>16}: {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,329 @@
+"""Loading and validating a render's inputs: the reference image, the driving audio, the output path.
+
+Called once per render attempt before any model runs, so a bad input fails fast with an
+:class:`~pipeline.errors.InvalidInputError` that names the field, the file, what is wrong and the fix.
+
+* :func:`load_reference_image` -> HxWx3 uint8 RGB, centre-cropped to the target aspect, Lanczos-resized.
+  Transparency, CMYK and 16-bit channels are rejected with the command that fixes them: each would
+  need a guess (which background, which colour profile) that silently changes the person's look.
+* :class:`AudioSource` decodes the audio file once into two mono float32 tracks (model rate for
+  features, output rate for AAC) kept in temporary ``np.memmap`` files, so a multi-hour input costs
+  disk, not RAM. The pipeline reads windows of it per chunk; the encoder reads its fragment's span.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from types import TracebackType
+from typing import BinaryIO
+
+import av
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from pipeline.errors import InvalidInputError
+
+logger = logging.getLogger(__name__)
+
+MIN_IMAGE_SIDE = 64
+MAX_IMAGE_SIDE = 8192
+MAX_IMAGE_PIXELS = 40_000_000
+_SUPPORTED_HINT = "use an 8-bit RGB or grayscale PNG, JPEG, WebP, BMP, GIF or TIFF without transparency"
+
+
+def _image_error(path: Path, problem: str, fix: str = _SUPPORTED_HINT) -> InvalidInputError:
+    return InvalidInputError(f"reference image {str(path)!r} {problem}; {fix}", field="image")
+
+
+def load_reference_image(path: Path, height: int, width: int) -> np.ndarray:
+    """Open ``path`` and return a ``(height, width, 3)`` uint8 RGB array.
+
+    Size limits are checked from the header before any pixel is decoded. EXIF orientation is applied.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise _image_error(path, "does not exist", "check the path")
+    if path.is_dir():
+        raise _image_error(path, "is a directory, not an image file", "pass the image file inside it")
+    try:
+        with warnings.catch_warnings():
+            # Pillow warns (and beyond 2x its limit raises) on decompression bombs; our own limits below
+            # are stricter, so turn its warning into the error path too.
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as im:
+                w, h = im.size
+                _check_image_size(path, w, h)
+                _check_pixel_format(path, im)  # from the header, before decoding pixels
+                im.load()
+                rgb = _to_rgb(path, ImageOps.exif_transpose(im) or im)
+    except InvalidInputError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise _image_error(
+            path,
+            f"is too large to decode safely, larger than the maximum of {MAX_IMAGE_SIDE} per side and "
+            f"{MAX_IMAGE_PIXELS} pixels ({e})",
+            f"downscale it to at most {MAX_IMAGE_SIDE}x{MAX_IMAGE_SIDE}",
+        ) from e
+    except UnidentifiedImageError as e:
+        raise _image_error(path, "is not a recognised image (unknown format or not an image at all)") from e
+    except (OSError, SyntaxError, ValueError, EOFError) as e:
+        raise _image_error(path, f"is corrupt or truncated ({e})", "re-export the image") from e
+    src_w, src_h = rgb.size
+    # Largest centred box with the target aspect, then one Lanczos resample from that box.
+    scale = min(src_w / width, src_h / height)
+    box_w, box_h = width * scale, height * scale
+    left, top = (src_w - box_w) / 2, (src_h - box_h) / 2
+    out = rgb.resize((width, height), Image.Resampling.LANCZOS, box=(left, top, left + box_w, top + box_h))
+    return np.asarray(out, dtype=np.uint8).copy()
+
+
+def _check_image_size(path: Path, w: int, h: int) -> None:
+    if min(w, h) < MIN_IMAGE_SIDE:
+        raise _image_error(
+            path,
+            f"is {w}x{h} pixels, smaller than the minimum of {MIN_IMAGE_SIDE} on each side",
+            f"use an image at least {MIN_IMAGE_SIDE}x{MIN_IMAGE_SIDE} (ideally as large as the output)",
+        )
+    if max(w, h) > MAX_IMAGE_SIDE or w * h > MAX_IMAGE_PIXELS:
+        raise _image_error(
+            path,
+            f"is {w}x{h} pixels, larger than the maximum of {MAX_IMAGE_SIDE} per side "
+            f"and {MAX_IMAGE_PIXELS} pixels",
+            f"downscale it to at most {MAX_IMAGE_SIDE}x{MAX_IMAGE_SIDE}",
+        )
+
+
+def _is_sixteen_bit(im: Image.Image) -> bool:
+    if im.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
+        return True
+    # 16-bit RGB(A) PNGs open as "RGB"/"RGBA" with a ";16" raw mode: Pillow would silently drop bits.
+    return any(";16" in str(getattr(t, "args", "")) for t in getattr(im, "tile", None) or [])
+
+
+def _check_pixel_format(path: Path, im: Image.Image) -> None:
+    """Accept 8-bit RGB, grayscale and palette images; reject what we would have to guess about.
+
+    Transparency, CMYK and 16-bit channels are rejected rather than converted: flattening onto a
+    background we pick, converting CMYK without the printer's colour profile, or dropping bits all
+    change the person's appearance silently, and identity is what the product is about.
+    """
+    mode = im.mode
+    if mode in ("RGBA", "LA", "RGBa", "La", "PA") or (mode == "P" and "transparency" in im.info):
+        raise _image_error(
+            path, f"has an alpha channel (mode {mode})",
+            "flatten it onto the opaque background you want and save it as RGB, e.g. "
+            "`convert IMAGE -background white -alpha remove -alpha off OUT.png`")
+    if mode == "CMYK":
+        raise _image_error(
+            path, "is CMYK (print colours)",
+            "convert it to sRGB with its colour profile, e.g. `convert IMAGE -colorspace sRGB OUT.png`")
+    if _is_sixteen_bit(im):
+        raise _image_error(
+            path, "has 16 bits per channel",
+            "save it with 8 bits per channel, e.g. `convert IMAGE -depth 8 OUT.png`")
+
+
+def _to_rgb(path: Path, im: Image.Image) -> Image.Image:
+    mode = im.mode
+    if mode == "F":
+        raise _image_error(path, "is a floating-point image (mode F) with no defined range")
+    if mode in ("1", "L", "P", "YCbCr", "RGB"):
+        return im.convert("RGB")
+    raise _image_error(path, f"has unsupported pixel mode {mode!r}")
+
+
+# ------------------------------------------------------------------------------------------- audio
+
+
+def _audio_error(path: Path, problem: str, fix: str) -> InvalidInputError:
+    return InvalidInputError(f"audio {str(path)!r} {problem}; {fix}", field="audio")
+
+
+_AUDIO_FIX = "use a WAV, MP3, M4A/AAC, FLAC or Ogg file with an audio track"
+
+
+class AudioSource:
+    """The driving audio, decoded once, mono float32 at two rates, on disk.
+
+    Created by the worker/CLI with :meth:`open` before the render, read by the audio-feature stage
+    (``model_rate``) and the encoder (``output_rate``), closed after the render. :meth:`read` returns
+    copies, so callers never hold the memmap. On POSIX the temp files are unlinked as soon as they are
+    mapped: the disk space lives exactly as long as the mapping, and a killed worker leaks nothing.
+    Elsewhere they are deleted by :meth:`close`.
+    """
+
+    def __init__(self, path: Path, tracks: dict[int, np.memmap], files: list[Path]) -> None:
+        self.path = path
+        self._tracks = tracks
+        self._files = files
+        self._closed = False
+
+    @classmethod
+    def open(cls, path: Path, model_rate: int = 16000, output_rate: int = 48000) -> AudioSource:
+        path = Path(path)
+        if not path.exists():
+            raise _audio_error(path, "does not exist", "check the path")
+        if path.is_dir():
+            raise _audio_error(path, "is a directory, not an audio file", "pass the audio file inside it")
+        rates = sorted({model_rate, output_rate})
+        tmpdir = Path(tempfile.gettempdir())
+        files: list[Path] = []
+        writers: dict[int, BinaryIO] = {}
+        try:
+            for rate in rates:
+                fd, name = tempfile.mkstemp(prefix=f"longtake-audio-{rate}-", suffix=".f32", dir=tmpdir)
+                files.append(Path(name))
+                writers[rate] = os.fdopen(fd, "wb")
+            _decode_into(path, writers)
+            for f in writers.values():
+                f.close()
+            tracks: dict[int, np.memmap] = {}
+            for rate, file in zip(rates, files, strict=True):
+                n = file.stat().st_size // 4
+                if n == 0:
+                    raise _audio_error(
+                        path, "contains no audio samples (zero length)", "use a non-empty recording"
+                    )
+                tracks[rate] = np.memmap(file, dtype=np.float32, mode="r", shape=(n,))
+            if os.name == "posix":
+                for file in files:
+                    file.unlink()
+                files = []
+        except BaseException:
+            for f in writers.values():
+                f.close()
+            for file in files:
+                file.unlink(missing_ok=True)
+            raise
+        source = cls(path, tracks, files)
+        logger.info("decoded audio %s: %.2f s", path, source.duration_s)
+        return source
+
+    def num_samples(self, rate: int) -> int:
+        return int(self._track(rate).shape[0])
+
+    @property
+    def duration_s(self) -> float:
+        rate = max(self._tracks)
+        return self.num_samples(rate) / rate
+
+    def read(self, start: int, stop: int, rate: int) -> np.ndarray:
+        """Samples ``[start, stop)`` at ``rate`` as a new float32 array, zeros outside ``[0, n)``."""
+        track = self._track(rate)
+        if stop < start:
+            raise ValueError(f"read(start={start}, stop={stop}): stop must be >= start")
+        out = np.zeros(stop - start, dtype=np.float32)
+        lo, hi = max(start, 0), min(stop, track.shape[0])
+        if hi > lo:
+            out[lo - start : hi - start] = track[lo:hi]
+        return out
+
+    def close(self) -> None:
+        """Release the mappings (and with them the disk space). Idempotent."""
+        self._closed = True
+        self._tracks.clear()  # drop the memmaps before unlinking (Windows would refuse otherwise)
+        for file in self._files:
+            file.unlink(missing_ok=True)
+        self._files = []
+
+    def __enter__(self) -> AudioSource:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _track(self, rate: int) -> np.memmap:
+        if self._closed:
+            raise ValueError(f"AudioSource({str(self.path)!r}) is closed")
+        if rate not in self._tracks:
+            raise ValueError(f"audio was decoded at {sorted(self._tracks)} Hz, not {rate} Hz")
+        return self._tracks[rate]
+
+
+def _decode_into(path: Path, writers: dict[int, BinaryIO]) -> None:
+    """Decode the first audio stream of ``path``, resample to mono float32 per rate, append to files."""
+    try:
+        container = av.open(str(path), mode="r")
+    except (av.FFmpegError, UnicodeDecodeError) as e:
+        raise _audio_error(path, f"is not a readable audio file ({e})", _AUDIO_FIX) from e
+    with container:
+        if not container.streams.audio:
+            kind = "is a video without an audio track" if container.streams.video else "has no audio stream"
+            raise _audio_error(path, kind, _AUDIO_FIX)
+        stream = container.streams.audio[0]
+        resamplers = {rate: av.AudioResampler(format="flt", layout="mono", rate=rate) for rate in writers}
+        try:
+            for frame in container.decode(stream):
+                frame.pts = None  # resample by sample count; gaps/jitter in pts must not insert silence
+                for rate, resampler in resamplers.items():
+                    _write(writers[rate], resampler.resample(frame))
+            for rate, resampler in resamplers.items():
+                _write(writers[rate], resampler.resample(None))
+        except av.FFmpegError as e:
+            raise _audio_error(path, f"is corrupt: decoding failed ({e})", "re-export the audio") from e
+
+
+def _write(f: BinaryIO, frames: list[av.AudioFrame]) -> None:
+    for fr in frames:
+        f.write(np.ascontiguousarray(fr.to_ndarray()[0], dtype=np.float32).tobytes())
+
+
+# ------------------------------------------------------------------------------------------ output
+
+
+def validate_output_path(path: Path) -> Path:
+    """Check an ``.mp4`` output path before rendering; creates the parent directory. Returns it absolute."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise InvalidInputError(
+            f"output {str(path)!r} is a directory; pass a file path such as {str(path / 'out.mp4')!r} "
+            "(or use the HLS directory output)",
+            field="out",
+        )
+    if path.suffix.lower() != ".mp4":
+        raise InvalidInputError(
+            f"output {str(path)!r} must end in .mp4 (the file is a fragmented MP4); rename it",
+            field="out",
+        )
+    _ensure_writable_dir(path.parent, path)
+    return path.resolve()
+
+
+def validate_hls_directory(path: Path) -> Path:
+    """Check an HLS output directory: missing (created) or empty. Returns it absolute."""
+    path = Path(path).expanduser()
+    if path.exists() and not path.is_dir():
+        raise InvalidInputError(
+            f"HLS output {str(path)!r} is a file; pass a directory path for the playlist and segments",
+            field="out",
+        )
+    _ensure_writable_dir(path, path)
+    if any(path.iterdir()):
+        raise InvalidInputError(
+            f"HLS output directory {str(path)!r} is not empty; pass a new or empty directory", field="out"
+        )
+    return path.resolve()
+
+
+def _ensure_writable_dir(directory: Path, target: Path) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InvalidInputError(
+            f"output {str(target)!r}: cannot create directory {str(directory)!r} ({e.strerror}); "
+            "choose a location you can write to",
+            field="out",
+        ) from e
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise InvalidInputError(
+            f"output {str(target)!r}: directory {str(directory)!r} is not writable; "
+            "choose a location you can write to",
+            field="out",
+        )

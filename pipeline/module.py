@@ -1,0 +1,148 @@
+"""Module: one model and its checkpoint, built and loaded lazily.
+
+A :class:`Module` is what stages hold instead of a bare ``nn.Module``: it knows how to build the
+model (a factory from the preset), where its weights come from (a safetensors file and a key prefix,
+or a seeded random init) and, once loaded, where it lives (resident on the compute device, parked in
+host memory, sharded across ranks — see ``pipeline/placement``). Stages call :meth:`get` on their
+first use, so a pipeline that never runs a stage never pays for its model.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from enum import StrEnum
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from pipeline.errors import ModuleLoadError
+
+log = logging.getLogger(__name__)
+
+
+class Residency(StrEnum):
+    UNLOADED = "unloaded"
+    RESIDENT = "resident"
+    PARKED = "parked"
+    SHARDED = "sharded"
+
+
+class Module:
+    """A lazily built model plus the source of its weights.
+
+    ``build`` returns the ``nn.Module`` in its random-init state (seeded by the caller);
+    ``checkpoint``/``prefix`` name the safetensors file and the key prefix of this module's tensors
+    in it (``"a2v."`` …). With no checkpoint the seeded random init is kept and
+    :attr:`is_random_init` says so, so the CLI can warn the user.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        build: Callable[[], nn.Module],
+        *,
+        checkpoint: Path | None = None,
+        prefix: str = "",
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.name = name
+        self._build = build
+        self.checkpoint = checkpoint
+        self.prefix = prefix
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self._model: nn.Module | None = None
+        self._lock = threading.Lock()
+        self.residency = Residency.UNLOADED
+        self.load_s = 0.0
+
+    @property
+    def is_loaded(self) -> bool:
+        return self._model is not None
+
+    @property
+    def is_random_init(self) -> bool:
+        return self.checkpoint is None
+
+    def get(self) -> nn.Module:
+        """The loaded model (built and loaded on first call; thread-safe)."""
+        if self._model is None:
+            with self._lock:
+                if self._model is None:
+                    self._model = self._load()
+        return self._model
+
+    def blocks(self) -> list[nn.Module]:
+        """The model's repeated blocks (``model.blocks``) for per-block placement; [] if none."""
+        blocks = getattr(self.get(), "blocks", None)
+        return list(blocks) if isinstance(blocks, nn.ModuleList) else []
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.get().parameters())
+
+    def _load(self) -> nn.Module:
+        t0 = time.perf_counter()
+        try:
+            model = self._build()
+        except Exception as exc:  # a preset/config bug: name the module
+            raise ModuleLoadError(f"module {self.name!r}: building the model failed: {exc}") from exc
+        if self.checkpoint is not None:
+            load_module_weights(model, self.checkpoint, self.prefix, module_name=self.name)
+        model.to(device=self.device, dtype=self.dtype)
+        model.eval()
+        model.requires_grad_(False)
+        self.residency = Residency.RESIDENT
+        self.load_s = time.perf_counter() - t0
+        log.info("loaded module %s (%s) in %.2fs", self.name,
+                 "random init" if self.checkpoint is None else self.checkpoint, self.load_s)
+        return model
+
+
+def load_module_weights(model: nn.Module, path: Path, prefix: str, *, module_name: str) -> None:
+    """Load the tensors under ``prefix`` of a safetensors file into ``model``, strictly.
+
+    Raises :class:`ModuleLoadError` naming the file, the module and the offending keys when the file
+    is missing or unreadable, keys are missing or unexpected, or shapes differ.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ModuleLoadError(
+            f"module {module_name!r}: checkpoint {path} does not exist; pass an existing .safetensors "
+            "file or omit --checkpoint to use the preset's default"
+        )
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys = [k for k in f.keys() if k.startswith(prefix)]
+            tensors = {k[len(prefix):]: f.get_tensor(k) for k in keys}
+    except Exception as exc:
+        raise ModuleLoadError(
+            f"module {module_name!r}: cannot read checkpoint {path}: {exc}; is it a safetensors file?"
+        ) from exc
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    mismatched = [
+        f"{k}: checkpoint {tuple(tensors[k].shape)} vs model {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in tensors and tuple(tensors[k].shape) != tuple(v.shape)
+    ]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing keys (e.g. {', '.join(prefix + k for k in missing[:3])})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected keys (e.g. {', '.join(prefix + k for k in unexpected[:3])})")
+    if mismatched:
+        problems.append(f"{len(mismatched)} shape mismatches (e.g. {'; '.join(mismatched[:3])})")
+    if problems:
+        raise ModuleLoadError(
+            f"module {module_name!r}: checkpoint {path} does not fit the model: {'; '.join(problems)}. "
+            "Check that the checkpoint was trained for this preset (--preset) and prefix "
+            f"{prefix!r}."
+        )
+    model.load_state_dict(tensors, strict=True)

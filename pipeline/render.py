@@ -1,0 +1,140 @@
+"""``render``: the one entry point every caller uses (CLI, worker, benchmarks, tests).
+
+It validates the inputs, plans the chunks, builds (or reuses) the warm model family, and runs the
+pipeline into the caller's sinks. It knows nothing of where the inputs came from or where the
+fragments go.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipeline import ports as P
+from pipeline.encode import FragmentEncoder
+from pipeline.errors import InvalidInputError
+from pipeline.family import get_family
+from pipeline.inputs import AudioSource, load_reference_image
+from pipeline.media_types import FrameSink
+from pipeline.pipeline import ChunkEvent, Mode
+from pipeline.publish import Publisher
+from pipeline.schedule import ChunkPlan, PlanError, frames_for_audio
+from pipeline.state import RollingState
+
+log = logging.getLogger(__name__)
+
+MAX_TEXT_CHARS = 2000
+
+
+@dataclass(frozen=True)
+class RenderRequest:
+    image: Path
+    audio: Path
+    text: str | None = None
+    seed: int = 0
+    preset: str = "tiny"
+    checkpoint: Path | None = None
+
+
+@dataclass(frozen=True)
+class RenderProgress:
+    emission_index: int
+    num_emissions: int
+    frames_done: int
+    num_frames: int
+    elapsed_s: float
+
+
+@dataclass(frozen=True)
+class RenderResult:
+    num_frames: int
+    duration_s: float
+    ttff_s: float
+    wall_s: float
+    peak_rss_bytes: int
+    stage_s: dict[str, float]
+    model_s: dict[str, float]
+    encode_s: float
+    num_fragments: int
+    random_init: bool
+
+
+def validate_request(request: RenderRequest) -> None:
+    if request.text is not None and len(request.text) > MAX_TEXT_CHARS:
+        raise InvalidInputError(
+            f"text has {len(request.text)} characters; the limit is {MAX_TEXT_CHARS}: shorten the prompt",
+            field="text")
+    if not isinstance(request.seed, int) or request.seed < 0:
+        raise InvalidInputError(f"seed={request.seed!r}: must be an integer >= 0", field="seed")
+
+
+def render(
+    request: RenderRequest,
+    sinks: Sequence[FrameSink],
+    *,
+    mode: Mode = "streaming",
+    resume_state: bytes | None = None,
+    should_cancel: Callable[[], bool] | None = None,
+    on_progress: Callable[[RenderProgress], None] | None = None,
+    device: str = "cpu",
+    frame_tap: Callable[[int, np.ndarray], None] | None = None,
+) -> RenderResult:
+    """Render ``request`` into ``sinks``; see ``docs/architecture.md`` for the contract.
+
+    ``frame_tap(first_frame, frames_THWC)`` sees every published frame before encoding (quality
+    metrics, tests); it must not keep the array.
+    """
+    t0 = time.perf_counter()
+    validate_request(request)
+    family = get_family(request.preset, request.checkpoint, device=device)
+    preset = family.preset
+    reference = load_reference_image(Path(request.image), preset.height, preset.width)
+    with AudioSource.open(Path(request.audio), model_rate=preset.sample_rate) as audio:
+        try:
+            num_frames = frames_for_audio(audio.num_samples(preset.sample_rate), preset.sample_rate, preset.fps)
+            plan = ChunkPlan(num_frames, preset.chunk_frames, preset.context_frames, preset.interp_frames)
+        except PlanError as exc:
+            raise InvalidInputError(f"audio {request.audio}: {exc}", field="audio") from exc
+        plan_key = (plan.num_frames, plan.chunk_frames, plan.context_frames, plan.interp_frames)
+        if resume_state is not None:
+            if mode != "streaming":
+                raise InvalidInputError("resume_state needs mode='streaming'", field="mode")
+            state = RollingState.restore(resume_state, plan_key=plan_key, device=device)
+        else:
+            state = RollingState(plan_key=plan_key)
+        encoder = FragmentEncoder(preset.width, preset.height, preset.fps, audio,
+                                  start_frame=plan.emission_frames(state.next_emission).start
+                                  if state.next_emission < plan.num_emissions else plan.num_frames)
+        publisher = Publisher(encoder, sinks, asynchronous=mode == "streaming", frame_tap=frame_tap)
+
+        def report(event: ChunkEvent) -> None:
+            if on_progress is not None:
+                on_progress(RenderProgress(event.emission_index, event.num_emissions, event.frames_done,
+                                           event.num_frames, event.elapsed_s))
+
+        family.timings.reset()
+        family.pipeline.run(
+            job_values={P.REFERENCE_RGB: reference, P.AUDIO: audio, P.TEXT: request.text, P.SEED: request.seed},
+            plan=plan, state=state, publisher=publisher, mode=mode, should_cancel=should_cancel,
+            on_chunk=report,
+        )
+    wall = time.perf_counter() - t0
+    first = publisher.first_fragment_at
+    return RenderResult(
+        num_frames=plan.num_frames,
+        duration_s=plan.num_frames / preset.fps,
+        ttff_s=(first - t0) if first is not None else wall,
+        wall_s=wall,
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        stage_s=dict(family.timings.stage_s),
+        model_s=dict(family.timings.model_s),
+        encode_s=publisher.encode_s,
+        num_fragments=publisher.num_fragments,
+        random_init=family.is_random_init,
+    )

@@ -1,0 +1,67 @@
+"""A2VStage: multi-step flow-matching sampling of one step's low-res latents.
+
+One DiT serves both chunk kinds: the step's window holds known (clean) frames and unknown frames to
+generate. For ``N_k`` the known frames are the last C frames of ``N_{k-1}`` (kept as latents, never
+decoded and re-encoded); for ``I_k`` they are the two anchors, ``N_k``'s last frame and
+``N_{k+1}``'s frame ``e``. Predictions at known positions are discarded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline import ports as P
+from pipeline.module import Module
+from pipeline.schedule import ChunkKind, ChunkStep
+from pipeline.stage import Phase, Stage, Values
+from pipeline.stages.common import Timings
+from pipeline.state import RollingState
+
+
+class A2VStage(Stage):
+    name = "a2v"
+    phase = Phase.STEP
+    inputs = (P.STEP, P.ROLLING, P.REF_LATENT, P.TEXT_TOKENS, P.TEXT_MASK, P.AUDIO_FEATS, P.NOISE)
+    outputs = (P.STEP_LATENTS,)
+
+    def __init__(self, dit: Module, sampler: object, *, timings: Timings) -> None:
+        self.dit = dit
+        self.sampler = sampler  # models.sampler.FlowMatchEulerSampler (no weights)
+        self.timings = timings
+
+    def modules(self) -> list[object]:
+        return [self.dit]
+
+    @torch.inference_mode()
+    def run(self, values: Values) -> None:
+        step = values.get(P.STEP)
+        noise = values.get(P.NOISE)
+        known_BT = torch.tensor([step.known_mask()], dtype=torch.bool)
+        known = torch.zeros_like(noise)
+        if step.known:
+            positions = [i for i, is_known in enumerate(step.known_mask()) if is_known]
+            known[:, :, positions] = self._known_latents(step, values.get(P.ROLLING)).to(noise.dtype)
+        frame_index_BT = torch.tensor([list(step.window)], dtype=torch.long)
+        ref, audio = values.get(P.REF_LATENT), values.get(P.AUDIO_FEATS)
+        text, text_mask = values.get_optional(P.TEXT_TOKENS), values.get_optional(P.TEXT_MASK)
+        dit = self.dit.get()
+
+        def velocity(x_BCThw: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            t_B = t.reshape(1).expand(x_BCThw.shape[0]).to(x_BCThw.dtype)
+            return dit(x_BCThw, t_B, known_BT, frame_index_BT, ref, audio, text, text_mask)  # type: ignore[no-any-return]
+
+        with self.timings.model("a2v"):
+            x0 = self.sampler.sample(velocity, noise, known, known_BT)  # type: ignore[attr-defined]
+        g0 = step.generate.start - step.window.start
+        values.put(P.STEP_LATENTS, x0[:, :, g0 : g0 + len(step.generate)].contiguous())
+
+    @staticmethod
+    def _known_latents(step: ChunkStep, state: RollingState) -> torch.Tensor:
+        if state.last_n is None:
+            raise RuntimeError(f"{step.name} needs the previous N chunk but the rolling state has none")
+        if step.kind is ChunkKind.N:
+            return state.last_n[:, :, -len(step.known):]
+        if state.prev_last is None:
+            raise RuntimeError(f"{step.name} needs its left anchor but the rolling state has none")
+        e = len(step.generate)
+        return torch.cat([state.prev_last, state.last_n[:, :, e : e + 1]], dim=2)

@@ -1,0 +1,34 @@
+"""Constant memory: peak RSS of a 4N-chunk render is within 2% of an N-chunk render (streaming),
+while the batch baseline grows. Each render runs in a fresh process (peak RSS is a high-water mark)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CHUNK_S = 16 / 25  # one N chunk of the tiny preset
+
+
+def peak_rss(mode: str, chunks: int) -> int:
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.stream", "--preset", "tiny", "--seconds", str(chunks * CHUNK_S),
+         "--mode", mode, "--threads", "1", "--json"],
+        cwd=REPO, check=True, capture_output=True, text=True, timeout=600,
+    ).stdout
+    return int(json.loads(out.strip().splitlines()[-1])["peak_rss_bytes"])
+
+
+@pytest.mark.slow
+def test_streaming_peak_memory_is_flat_and_batch_grows() -> None:
+    n = 3
+    s_small, s_large = peak_rss("streaming", n), peak_rss("streaming", 4 * n)
+    b_small, b_large = peak_rss("batch", n), peak_rss("batch", 4 * n)
+    print(f"streaming {n}: {s_small}  {4 * n}: {s_large}  ratio {s_large / s_small:.4f}")
+    print(f"batch     {n}: {b_small}  {4 * n}: {b_large}  ratio {b_large / b_small:.4f}")
+    assert s_large <= s_small * 1.02, (s_small, s_large)
+    assert b_large > b_small * 1.05, (b_small, b_large)

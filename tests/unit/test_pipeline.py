@@ -1,0 +1,135 @@
+"""The streaming pipeline on the tiny preset: streaming == batch, resume == uninterrupted, MP4 valid."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench.inputs import DEMO_IMAGE
+from pipeline.errors import CancelledError, PipelineBuildError
+from pipeline.media_types import Fragment, InitSegment
+from pipeline.render import RenderRequest, render
+from pipeline.sinks import FileSink
+
+
+class RecordingSink:
+    def __init__(self) -> None:
+        self.init: InitSegment | None = None
+        self.fragments: list[Fragment] = []
+        self.closed: bool | None = None
+
+    def open(self, init: InitSegment) -> None:
+        self.init = init
+
+    def write(self, fragment: Fragment) -> None:
+        self.fragments.append(fragment)
+
+    def close(self, *, ok: bool) -> None:
+        self.closed = ok
+
+
+def _frames(request: RenderRequest, mode: str = "streaming", **kw: object) -> tuple[np.ndarray, RecordingSink]:
+    parts: list[tuple[int, np.ndarray]] = []
+    sink = RecordingSink()
+    render(request, [sink], mode=mode, frame_tap=lambda f0, fr: parts.append((f0, fr.copy())), **kw)  # type: ignore[arg-type]
+    parts.sort(key=lambda p: p[0])
+    return np.concatenate([p[1] for p in parts]), sink
+
+
+def test_streaming_equals_batch(speech) -> None:  # type: ignore[no-untyped-def]
+    # 2.6 s at 25 fps = 65 frames: N0 N1 I0 N2 I1 N3 I2 N4 (a one-frame last chunk, no I3)
+    request = RenderRequest(image=DEMO_IMAGE, audio=speech(2.6), seed=3)
+    streamed, s_sink = _frames(request, "streaming")
+    batched, b_sink = _frames(request, "batch")
+    assert streamed.shape == batched.shape == (65, 256, 256, 3)
+    diff = np.abs(streamed.astype(np.int16) - batched.astype(np.int16))
+    assert diff.max() <= 1, f"max difference {diff.max()}"
+    assert diff.mean() < 1e-3
+    assert [f.index for f in s_sink.fragments] == [f.index for f in b_sink.fragments] == list(range(5))
+    assert s_sink.closed is True and b_sink.closed is True
+
+
+def test_same_seed_same_video_other_seed_other_video(speech) -> None:  # type: ignore[no-untyped-def]
+    audio = speech(0.8)
+    a, _ = _frames(RenderRequest(image=DEMO_IMAGE, audio=audio, seed=1))
+    b, _ = _frames(RenderRequest(image=DEMO_IMAGE, audio=audio, seed=1))
+    c, _ = _frames(RenderRequest(image=DEMO_IMAGE, audio=audio, seed=2))
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+def test_resume_from_any_emission_equals_uninterrupted(speech) -> None:  # type: ignore[no-untyped-def]
+    request = RenderRequest(image=DEMO_IMAGE, audio=speech(2.0), seed=5)  # 50 frames, 4 emissions
+    full, sink = _frames(request)
+    assert len(sink.fragments) == 4
+    # after N0 the state has no left anchor yet; from then on its size is fixed by the chunk shape
+    sizes = [len(f.resume_state or b"") for f in sink.fragments[:-1]]
+    assert sizes[0] <= sizes[1] == sizes[-1] < 4 * 2**20, f"snapshot must be small and constant: {sizes}"
+    for j in (0, 2):
+        state = sink.fragments[j].resume_state
+        assert state is not None
+        rest, resumed = _frames(request, resume_state=state)
+        assert [f.index for f in resumed.fragments] == list(range(j + 1, 4))
+        first = sink.fragments[j + 1].first_frame
+        assert np.array_equal(rest, full[first:])
+        assert [f.data for f in resumed.fragments] == [f.data for f in sink.fragments[j + 1 :]]
+        assert resumed.init is not None and sink.init is not None and resumed.init.data == sink.init.data
+    assert sink.fragments[-1].is_last and sink.fragments[-1].resume_state is None
+
+
+def test_cancel_between_chunks_closes_sinks_not_ok(speech) -> None:  # type: ignore[no-untyped-def]
+    request = RenderRequest(image=DEMO_IMAGE, audio=speech(2.0))
+    sink = RecordingSink()
+    calls = {"n": 0}
+
+    def cancel_after_two_steps() -> bool:
+        calls["n"] += 1
+        return calls["n"] > 2
+
+    with pytest.raises(CancelledError):
+        render(request, [sink], should_cancel=cancel_after_two_steps)
+    assert sink.closed is False
+    assert len(sink.fragments) <= 1
+
+
+def test_mp4_decodes_with_ffprobe_and_matches_audio_duration(speech, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    seconds = 1.93
+    out = tmp_path / "out.mp4"
+    result = render(RenderRequest(image=DEMO_IMAGE, audio=speech(seconds)), [FileSink(out)])
+    assert out.is_file() and not Path(str(out) + ".partial").exists()
+    probe = json.loads(subprocess.run(
+        ["ffprobe", "-v", "error", "-show_streams", "-show_format", "-of", "json", str(out)],
+        check=True, capture_output=True, text=True).stdout)
+    kinds = {s["codec_type"]: s for s in probe["streams"]}
+    assert kinds["video"]["codec_name"] == "h264" and kinds["audio"]["codec_name"] == "aac"
+    assert (int(kinds["video"]["width"]), int(kinds["video"]["height"])) == (256, 256)
+    assert abs(float(probe["format"]["duration"]) - seconds) <= 1 / 25 + 1e-3
+    decoded = subprocess.run(["ffmpeg", "-v", "error", "-i", str(out), "-f", "null", "-"],
+                             capture_output=True, text=True)
+    assert decoded.returncode == 0 and decoded.stderr == ""
+    count = subprocess.run(["ffprobe", "-v", "error", "-count_frames", "-select_streams", "v:0",
+                            "-show_entries", "stream=nb_read_frames", "-of", "csv=p=0", str(out)],
+                           check=True, capture_output=True, text=True).stdout.strip()
+    assert int(count) == result.num_frames == 49
+
+
+def test_pipeline_rejects_unwired_stage() -> None:
+    from pipeline import ports as P
+    from pipeline.pipeline import Pipeline
+    from pipeline.stage import Phase, Stage, Values
+
+    class Orphan(Stage):
+        name = "orphan"
+        phase = Phase.EMISSION
+        inputs = (P.EMISSION_HR,)
+        outputs = (P.FRAMES,)
+
+        def run(self, values: Values) -> None:  # pragma: no cover - never runs
+            pass
+
+    with pytest.raises(PipelineBuildError, match="emission_hr"):
+        Pipeline([Orphan()])

@@ -1,0 +1,140 @@
+"""The N/I chunk plan: order, anchors, discarded anchor predictions, final timeline, emissions."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.schedule import ChunkKind, ChunkPlan, PlanError, frames_for_audio
+
+
+def names(plan: ChunkPlan) -> list[str]:
+    return [s.name for s in plan.steps]
+
+
+def test_execution_order_matches_the_write_up() -> None:
+    plan = ChunkPlan(num_frames=16 * 5, chunk_frames=16, context_frames=4, interp_frames=4)
+    assert names(plan) == ["N0", "N1", "I0", "N2", "I1", "N3", "I2", "N4", "I3"]
+
+
+def test_i_chunk_anchors_and_span() -> None:
+    L, C, e = 16, 4, 4
+    plan = ChunkPlan(L * 3, L, C, e)
+    steps = {s.name: s for s in plan.steps}
+    i0 = steps["I0"]
+    # anchors: last frame of N0 and frame e of N1
+    assert i0.known == (L - 1, L + e)
+    assert i0.window == range(L - 1, L + e + 1)
+    # generated: the e frames between the anchors; anchor predictions are not kept
+    assert i0.generate == range(L, L + e)
+    assert i0.known[0] not in i0.generate and i0.known[1] not in i0.generate
+    assert i0.known_mask() == [True] + [False] * e + [True]
+
+
+def test_n_chunks_see_last_c_frames_of_previous_n_as_context() -> None:
+    L, C, e = 16, 4, 4
+    plan = ChunkPlan(L * 3, L, C, e)
+    steps = {s.name: s for s in plan.steps}
+    assert steps["N0"].known == () and steps["N0"].window == range(0, L)
+    n2 = steps["N2"]
+    assert n2.known == tuple(range(2 * L - C, 2 * L))
+    assert n2.generate == range(2 * L, 3 * L)
+    assert n2.window == range(2 * L - C, 3 * L)
+
+
+@pytest.mark.parametrize("num_frames", [1, 2, 15, 16, 17, 20, 21, 31, 32, 33, 47, 48, 100, 1001])
+@pytest.mark.parametrize("L,C,e", [(16, 4, 4), (8, 2, 1), (5, 5, 4), (2, 0, 1)])
+def test_final_timeline_tiles_every_frame_once_in_order(num_frames: int, L: int, C: int, e: int) -> None:
+    plan = ChunkPlan(num_frames, L, C, e)
+    emitted: list[int] = []
+    generated: dict[int, str] = {}
+    done: set[str] = set()
+    for step in plan.steps:
+        # dependencies: I_k after N_k and N_{k+1}; N_k after N_{k-1}
+        if step.kind is ChunkKind.I:
+            assert {f"N{step.index}", f"N{step.index + 1}"} <= done
+        elif step.index > 0:
+            assert f"N{step.index - 1}" in done
+        done.add(step.name)
+        for t in step.generate:
+            generated[t] = step.name  # later steps (I chunks) replace earlier predictions
+        if step.emission is not None:
+            em = step.emission
+            assert em.frames == range(em.index * L, min((em.index + 1) * L, num_frames))
+            assert list(em.frames) == list(em.from_step) + list(em.from_pending)
+            assert set(em.from_step) <= set(step.generate)
+            for t in em.from_step:
+                assert generated[t] == step.name
+            for t in em.from_pending:  # the rest of the pending N chunk, after the I chunk's span
+                assert generated[t] == f"N{em.index}"
+            emitted.extend(em.frames)
+    assert emitted == list(range(num_frames))
+    assert [s.emission.index for s in plan.steps if s.emission] == list(range(plan.num_emissions))
+
+
+def test_final_timeline_sources() -> None:
+    L, e = 16, 4
+    plan = ChunkPlan(L * 3, L, 4, e)
+    sources = [(s.name, s.emission.from_step, s.emission.from_pending) for s in plan.steps if s.emission]
+    assert sources == [
+        ("N0", range(0, L), range(L, L)),
+        ("I0", range(L, L + e), range(L + e, 2 * L)),
+        ("I1", range(2 * L, 2 * L + e), range(2 * L + e, 3 * L)),
+    ]
+
+
+def test_emission_follows_n0_immediately() -> None:
+    plan = ChunkPlan(100, 16, 4, 4)
+    first = plan.steps[0]
+    assert first.name == "N0" and first.emission is not None and first.emission.frames == range(0, 16)
+
+
+def test_audio_shorter_than_one_chunk() -> None:
+    plan = ChunkPlan(5, 16, 4, 4)
+    assert names(plan) == ["N0"]
+    assert plan.steps[0].emission is not None and plan.steps[0].emission.frames == range(0, 5)
+
+
+def test_exactly_one_chunk() -> None:
+    plan = ChunkPlan(16, 16, 4, 4)
+    assert names(plan) == ["N0"]
+
+
+def test_short_last_chunk_shrinks_the_interpolation_span() -> None:
+    plan = ChunkPlan(16 + 3, 16, 4, 4)  # last N chunk has 3 frames: e shrinks to 2
+    steps = {s.name: s for s in plan.steps}
+    assert names(plan) == ["N0", "N1", "I0"]
+    assert steps["I0"].generate == range(16, 18)
+    assert steps["I0"].known == (15, 18)
+    assert steps["I0"].emission is not None and steps["I0"].emission.frames == range(16, 19)
+
+
+def test_one_frame_last_chunk_gets_no_i_chunk() -> None:
+    plan = ChunkPlan(17, 16, 4, 4)
+    assert names(plan) == ["N0", "N1"]
+    n1 = plan.steps[1]
+    assert n1.emission is not None and n1.emission.frames == range(16, 17)
+    assert n1.known == (12, 13, 14, 15)
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(num_frames=0, chunk_frames=16, context_frames=4, interp_frames=4), "num_frames"),
+        (dict(num_frames=10, chunk_frames=1, context_frames=0, interp_frames=1), "chunk_frames"),
+        (dict(num_frames=10, chunk_frames=16, context_frames=17, interp_frames=4), "context_frames"),
+        (dict(num_frames=10, chunk_frames=16, context_frames=-1, interp_frames=4), "context_frames"),
+        (dict(num_frames=10, chunk_frames=16, context_frames=4, interp_frames=0), "interp_frames"),
+        (dict(num_frames=10, chunk_frames=16, context_frames=4, interp_frames=16), "interp_frames"),
+    ],
+)
+def test_invalid_parameters_are_rejected_by_name(kwargs: dict[str, int], field: str) -> None:
+    with pytest.raises(PlanError, match=field):
+        ChunkPlan(**kwargs)
+
+
+def test_frames_for_audio_rounds_up_and_rejects_empty_audio() -> None:
+    assert frames_for_audio(16000, 16000, 25) == 25
+    assert frames_for_audio(16001, 16000, 25) == 26
+    assert frames_for_audio(1, 16000, 25) == 1
+    with pytest.raises(PlanError, match="no samples"):
+        frames_for_audio(0, 16000, 25)
