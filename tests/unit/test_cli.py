@@ -344,3 +344,22 @@ def test_migrate_then_reap_requeues_an_expired_lease_and_republishes(
         msg.ack()
         queue.close()
     engine.dispose()
+
+
+def test_real_render_help_goes_through_the_cli_without_service_imports() -> None:
+    code = f"""
+import sys, json
+sys.path.insert(0, {str(ROOT)!r})
+from worker.cli import main
+try:
+    rc = main(["render", "--help"])
+except SystemExit as exc:
+    rc = exc.code
+heavy = sorted(m for m in ("celery", "sqlalchemy", "fastapi", "boto3", "kombu") if m in sys.modules)
+print(json.dumps({{"rc": rc, "heavy": heavy}}))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert "--audio" in out.stdout  # the render parser's own help
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"rc": 0, "heavy": []}
