@@ -278,9 +278,14 @@ def _preset_plan() -> tuple[int, int, int]:
         return 16, 4, 4
 
 
-def run(args: argparse.Namespace) -> tuple[dict[str, float | int | str], dict[str, np.ndarray], list[int]]:
+def run(args: argparse.Namespace, render_fn: RenderFn | None = None
+        ) -> tuple[dict[str, float | int | str], dict[str, np.ndarray], list[int]]:
+    """Score one render (ground truth, or the model twice: with and without I chunks). Returns the
+    summary, the per-window series for :func:`plot`, and the chunk boundaries used."""
     from models.avatars.dataset import FPS, IDENTITY_SPLITS, AvatarRenderer
 
+    if not args.ground_truth and render_fn is None:  # fail before spending minutes on speech
+        render_fn = _load_render_fn(args.render_fn)
     seconds = args.minutes * 60.0
     n = math.ceil(seconds * FPS)
     audio = (loop_audio(load_audio(Path(args.audio)), int(seconds * SAMPLE_RATE)) if args.audio
@@ -305,7 +310,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, float | int | str], dict[st
         out["seam_score_without_i"] = round(seam_score(np.asarray(meter.diffs), without_i), 4)
         out["lipsync_r_reference_box"] = round(lipsync(audio_envelope(audio, n), np.asarray(fixed.mouth))[0], 4)
         return out, meter.series(audio, with_i), with_i
-    render_fn = _load_render_fn(args.render_fn)
+    assert render_fn is not None
     with tempfile.TemporaryDirectory(prefix="quality-") as tmp:
         tmpd = Path(tmp)
         from PIL import Image
