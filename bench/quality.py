@@ -126,6 +126,17 @@ def chunk_boundaries(num_frames: int, chunk_frames: int, context_frames: int, in
     return sorted(out)
 
 
+def _erode(mask: np.ndarray, r: int) -> np.ndarray:
+    """Binary erosion by a (2r+1)^2 square, via an integral image (no scipy)."""
+    if r <= 0:
+        return mask
+    k = 2 * r + 1
+    pad = np.pad(mask.astype(np.int32), r)
+    ii = np.pad(pad.cumsum(0).cumsum(1), ((1, 0), (1, 0)))
+    box = ii[k:, k:] - ii[:-k, k:] - ii[k:, :-k] + ii[:-k, :-k]
+    return box == k * k
+
+
 def _shrink(box: Box, frac_x: float, frac_y: float) -> Box:
     x0, y0, x1, y1 = box
     dx, dy = (x1 - x0) * frac_x, (y1 - y0) * frac_y
@@ -136,14 +147,17 @@ def _shrink(box: Box, frac_x: float, frac_y: float) -> Box:
 class QualityMeter:
     """Accumulates per-frame measurements; call :meth:`add` per output frame, then :meth:`summary`.
 
-    ``reference`` is the conditioning image (H, W, 3 uint8). ``mouth_box`` / ``face_box`` are the
-    reference's boxes; per-frame ground-truth boxes may be passed to :meth:`add` (generator renders),
-    otherwise the reference boxes are widened (mouth) or narrowed (face) by the motion margin.
+    ``reference`` is the conditioning image (H, W, 3 uint8). ``mouth_box`` / ``face_box`` /
+    ``eyes_box`` are the reference's boxes. The face region is the inner face box less the mouth and
+    eyes (which open, close and blink, and would swamp a colour shift), all by the motion margin. For
+    generator renders, per-frame ground-truth boxes may be passed to :meth:`add`: the mouth is then
+    measured in its own box and the face region moves with the face box's centre.
     """
 
     reference: np.ndarray
     mouth_box: Box
     face_box: Box
+    eyes_box: Box | None = None
     fps: int = 25
     mouth: list[float] = field(default_factory=list)
     face_dist: list[float] = field(default_factory=list)
@@ -161,20 +175,39 @@ class QualityMeter:
         m = int(MOTION_MARGIN * w)
         x0, y0, x1, y1 = self.mouth_box
         self._wide_mouth: Box = (max(0, x0 - m), max(0, y0 - m // 2), min(w, x1 + m), min(h, y1 + m // 2))
-        self._ref_face_mean = self._face_mean(self._ref, self.face_box)
+        # face region: skin-coloured pixels of the reference's face box (colour within 12 levels of the
+        # median of the box's centre), less mouth and eyes, eroded so head motion keeps it on skin
+        fx0, fy0, fx1, fy1 = _shrink(self.face_box, 0.08, 0.06)
+        cx0, cy0, cx1, cy1 = _shrink(self.face_box, 0.3, 0.3)
+        skin = np.median(self._ref[cy0:cy1, cx0:cx1].reshape(-1, 3), axis=0)
+        mask = np.zeros((h, w), bool)
+        mask[fy0:fy1, fx0:fx1] = np.abs(self._ref[fy0:fy1, fx0:fx1] - skin).max(axis=-1) < 12
+        for box in (self.mouth_box, self.eyes_box):
+            if box is not None:
+                bx0, by0, bx1, by1 = box
+                mask[max(0, by0 - m // 2) : by1 + m // 2, max(0, bx0 - m // 2) : bx1 + m // 2] = False
+        mask = _erode(mask, int(0.025 * w))
+        if mask.sum() < 16:
+            raise ValueError(f"face_box={self.face_box}: leaves {int(mask.sum())} face pixels once the "
+                             "mouth and eyes are cut out; pass the face's box in frame pixels")
+        self._face_mask = mask
+        self._ref_face_mean = self._ref[mask].mean(axis=0)
+        self._face_centre = ((self.face_box[0] + self.face_box[2]) / 2, (self.face_box[1] + self.face_box[3]) / 2)
 
-    @staticmethod
-    def _face_mean(img: np.ndarray, box: Box) -> np.ndarray:
-        x0, y0, x1, y1 = _shrink(box, 0.22, 0.18)
-        return img[y0:y1, x0:x1].reshape(-1, 3).mean(axis=0)
+    def _face_mean(self, img: np.ndarray, face_box: Box | None) -> np.ndarray:
+        if face_box is None:
+            return img[self._face_mask].mean(axis=0)
+        dx = int(round((face_box[0] + face_box[2]) / 2 - self._face_centre[0]))
+        dy = int(round((face_box[1] + face_box[3]) / 2 - self._face_centre[1]))
+        mask = np.roll(self._face_mask, (dy, dx), axis=(0, 1))  # the margin keeps the roll off the edges
+        return img[mask].mean(axis=0)
 
     def add(self, frame: np.ndarray, mouth_box: Box | None = None, face_box: Box | None = None) -> None:
         if frame.shape != self.reference.shape or frame.dtype != np.uint8:
             raise ValueError(f"frame {frame.shape} {frame.dtype}: expected {self.reference.shape} uint8 like the reference")
         f = frame.astype(np.float32)
         self.mouth.append(float(measure_mouth_opening(frame[None], mouth_box or self._wide_mouth)[0]))
-        fb = face_box if face_box is not None else _shrink(self.face_box, MOTION_MARGIN * 1.5, MOTION_MARGIN)
-        self.face_dist.append(float(np.abs(self._face_mean(f, fb) - self._ref_face_mean).mean()))
+        self.face_dist.append(float(np.abs(self._face_mean(f, face_box) - self._ref_face_mean).mean()))
         self.bg_dist.append(float(np.abs(f[self._bg_rows][:, self._bg_cols] - self._ref_bg).mean()))
         self.diffs.append(float(np.abs(f - self._prev).mean()) if self._prev is not None else 0.0)
         self._prev = f
@@ -300,8 +333,8 @@ def run(args: argparse.Namespace, render_fn: RenderFn | None = None
                                          "identity_seed": ident, "chunk_frames": L, "context_frames": C,
                                          "interp_frames": e}
     if args.ground_truth:
-        meter = QualityMeter(ref, gt.reference_mouth_box(), gt.reference_face_box())
-        fixed = QualityMeter(ref, gt.reference_mouth_box(), gt.reference_face_box())
+        meter = QualityMeter(ref, gt.reference_mouth_box(), gt.reference_face_box(), gt.reference_eyes_box())
+        fixed = QualityMeter(ref, gt.reference_mouth_box(), gt.reference_face_box(), gt.reference_eyes_box())
         for frame, truth in gt.stream(audio, num_frames=n):
             meter.add(frame, truth.mouth_box, truth.face_box)
             fixed.mouth.append(float(measure_mouth_opening(frame[None], fixed._wide_mouth)[0]))
@@ -319,7 +352,7 @@ def run(args: argparse.Namespace, render_fn: RenderFn | None = None
         write_wav(tmpd / "audio.wav", audio)
         result: dict[bool, tuple[dict[str, float | int], QualityMeter, list[int]]] = {}
         for use_i in (True, False):
-            meter = QualityMeter(ref, gt.reference_mouth_box(), gt.reference_face_box())
+            meter = QualityMeter(ref, gt.reference_mouth_box(), gt.reference_face_box(), gt.reference_eyes_box())
             sub = tmpd / ("with_i" if use_i else "without_i")
             sub.mkdir()
             frames, bounds = render_fn(tmpd / "reference.png", tmpd / "audio.wav", seconds, use_i, sub)
@@ -347,12 +380,13 @@ def _load_render_fn(spec: str) -> RenderFn:
     return fn  # type: ignore[no-any-return]
 
 
-def plot(series: dict[str, np.ndarray], path: Path, title: str) -> None:
-    """Draw each metric over time with Pillow (no matplotlib): one panel per series."""
+def plot(series: dict[str, np.ndarray], path: Path, title: str, window_s: int = 10) -> None:
+    """Draw each metric over time with Pillow (no matplotlib): one panel per series, time in seconds on
+    x; drift panels show the 1.0 floor as a grey line."""
     from PIL import Image, ImageDraw
 
     names = list(series)
-    pw, ph, pad = 760, 170, 50
+    pw, ph, pad = 760, 170, 56
     img = Image.new("RGB", (pw + 2 * pad, len(names) * (ph + pad) + pad), "white")
     d = ImageDraw.Draw(img)
     d.text((pad, 12), title, fill="black")
@@ -364,16 +398,28 @@ def plot(series: dict[str, np.ndarray], path: Path, title: str) -> None:
         if finite.size == 0:
             d.text((pad + 5, top + 5), f"{name}: no data", fill="black")
             continue
-        lo, hi = float(min(finite.min(), 0.0)), float(finite.max())
-        hi = hi if hi > lo else lo + 1.0
-        unit = "s" if name.startswith("drift") else "x10 s"
-        d.text((pad + 5, top - 14), f"{name} (x: {unit}, y: {lo:.2f} .. {hi:.2f})", fill="black")
+        step = 1 if name.startswith("drift") else window_s  # seconds per point
+        lo, hi = float(min(finite.min(), 0.0)), float(max(finite.max(), 1.0 if name.startswith("drift") else 0.0))
+        hi = hi * 1.05 if hi > lo else lo + 1.0
+
+        def ypix(v: float, lo: float = lo, hi: float = hi, top: int = top) -> float:
+            return top + ph - (v - lo) / (hi - lo) * ph
+
+        d.text((pad + 5, top - 14), f"{name}  (one point per {step} s)", fill="black")
         for v in (lo, hi):
-            d.text((4, top + ph - (v - lo) / (hi - lo) * ph - 6), f"{v:.2f}", fill="gray")
+            d.text((4, ypix(v) - 6), f"{v:.2f}", fill="gray")
+        if name.startswith("drift"):
+            d.line([pad, ypix(1.0), pad + pw, ypix(1.0)], fill=(180, 180, 180), width=1)
+        total_s = len(y) * step
+        for k in range(5):
+            x = pad + k * pw / 4
+            d.text((x - 8, top + ph + 3), f"{total_s * k / 4:.0f}s", fill="gray")
         xs = [pad + (k + 0.5) * pw / len(y) for k in range(len(y))]
-        ys = [top + ph - ((v if np.isfinite(v) else lo) - lo) / (hi - lo) * ph for v in y]
-        d.line(list(zip(xs, ys, strict=True)), fill=(30, 90, 200), width=2)
-        d.text((pad + pw - 40, top + ph + 3), str(len(y)), fill="gray")
+        ys = [ypix(v if np.isfinite(v) else lo) for v in y]
+        if len(y) == 1:
+            d.ellipse([xs[0] - 3, ys[0] - 3, xs[0] + 3, ys[0] + 3], fill=(30, 90, 200))
+        else:
+            d.line(list(zip(xs, ys, strict=True)), fill=(30, 90, 200), width=2)
     img.save(path)
 
 

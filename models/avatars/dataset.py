@@ -101,6 +101,9 @@ class AvatarRenderer:
     def reference_face_box(self) -> Box:
         return self.face.face_box(HeadPose())
 
+    def reference_eyes_box(self) -> Box:
+        return self.face.eyes_box(HeadPose())
+
     def frame(self, index: int, mouth_open: float, mouth_width: float) -> tuple[np.ndarray, FrameTruth]:
         pose = self.motion.pose(index)
         img = self.face.render(pose, mouth_open, mouth_width, self.motion.blink(index))
@@ -136,14 +139,19 @@ class AvatarClip:
 
 
 def render_clip(identity_seed: int, clip_seed: int, num_frames: int, split: str = "train", size: int = 256,
-                fps: int = FPS, synth: SpeechSynth | None = None) -> AvatarClip:
+                fps: int = FPS, synth: SpeechSynth | None = None, speech_pool: int | None = 256) -> AvatarClip:
     """One clip: ``num_frames`` video frames and the matching audio window, cut at a seeded offset out of
-    a seeded utterance (so mouth tracks see the audio around the window, as in a long render)."""
+    a seeded utterance (so mouth tracks see the audio around the window, as in a long render).
+
+    ``speech_pool``: utterances are drawn from this many per split (seeds ``0 .. pool-1``), so the
+    synth's cache serves most clips without running espeak-ng (~5 s of speech each; 256 of them are
+    ~90 MB of float32 per process); ``None`` makes a fresh utterance for every clip."""
     if num_frames < 1:
         raise ValueError(f"num_frames={num_frames}: must be >= 1")
     synth = synth or SpeechSynth()
     rng = np.random.default_rng([clip_seed, 31])
-    utt = synth.utterance(int(rng.integers(2**31)), split, min_seconds=max(4.0, num_frames / fps + 1.0))
+    speech_seed = int(rng.integers(speech_pool if speech_pool else 2**31))
+    utt = synth.utterance(speech_seed, split, min_seconds=max(4.0, num_frames / fps + 1.0))
     hop = SAMPLE_RATE // fps
     total = len(utt.audio) // hop
     start = int(rng.integers(0, max(1, total - num_frames + 1)))
@@ -185,12 +193,12 @@ class AvatarClipDataset(Dataset[dict[str, torch.Tensor]]):
 
     def __init__(self, split: str = "train", num_clips: int = 100_000, num_frames: int = 20, size: int = 256,
                  seed: int = 0, num_identities: int | None = None, fps: int = FPS,
-                 use_espeak: bool | None = None) -> None:
+                 use_espeak: bool | None = None, speech_pool: int | None = 256) -> None:
         if split not in IDENTITY_SPLITS:
             raise ValueError(f"split={split!r}: must be one of {sorted(IDENTITY_SPLITS)}")
         self.split, self.num_clips, self.num_frames, self.size = split, num_clips, num_frames, size
         self.seed, self.num_identities, self.fps = seed, num_identities, fps
-        self._use_espeak = use_espeak
+        self._use_espeak, self.speech_pool = use_espeak, speech_pool
         self._synth: SpeechSynth | None = None
 
     def __len__(self) -> int:
@@ -200,10 +208,11 @@ class AvatarClipDataset(Dataset[dict[str, torch.Tensor]]):
         if not 0 <= index < self.num_clips:
             raise IndexError(f"index {index} out of range [0, {self.num_clips})")
         if self._synth is None:  # created lazily so each DataLoader worker gets its own
-            self._synth = SpeechSynth(self._use_espeak)
+            self._synth = SpeechSynth(self._use_espeak, cache_size=self.speech_pool or 16)
         ident = identity_for(self.split, self.seed, index, self.num_identities)
         clip_seed = int(np.random.default_rng([self.seed, index, 6]).integers(2**31))
-        c = render_clip(ident, clip_seed, self.num_frames, self.split, self.size, self.fps, self._synth)
+        c = render_clip(ident, clip_seed, self.num_frames, self.split, self.size, self.fps, self._synth,
+                        self.speech_pool)
         return {
             "reference": torch.from_numpy(c.reference.copy()),
             "frames": torch.from_numpy(c.frames),

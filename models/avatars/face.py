@@ -327,6 +327,12 @@ class FaceRenderer:
         h = self.MAX_OPEN / 2 + 0.02
         return self._box(pose, -w, i.mouth_y - h, w, i.mouth_y + h)
 
+    def eyes_box(self, pose: HeadPose = HeadPose()) -> Box:
+        """Both eyes with brows and glasses frames: what blinks, so drift metrics leave it out."""
+        i = self.identity
+        half = i.eye_dx + i.eye_rx + 0.03
+        return self._box(pose, -half, i.eye_y - i.eye_ry * 2.4 - 0.02, half, i.eye_y + i.eye_ry + 0.03)
+
     def face_box(self, pose: HeadPose = HeadPose()) -> Box:
         i = self.identity
         return self._box(pose, -i.face_rx, -i.face_ry, i.face_rx, i.face_ry * 1.0)
