@@ -324,8 +324,8 @@ def run(args: argparse.Namespace, render_fn: RenderFn | None = None
     audio = (loop_audio(load_audio(Path(args.audio)), int(seconds * SAMPLE_RATE)) if args.audio
              else heldout_speech(seconds, args.seed))
     audio = normalize_loudness(audio)
-    L, C, e = args.chunk_frames or _preset_plan()[0], args.context_frames or _preset_plan()[1], \
-        args.interp_frames or _preset_plan()[2]
+    preset = _preset_plan()
+    L, C, e = args.chunk_frames or preset[0], args.context_frames or preset[1], args.interp_frames or preset[2]
     ident = IDENTITY_SPLITS["heldout"][0] + args.identity
     gt = AvatarRenderer(ident, motion_seed=args.seed + 17)
     ref = gt.reference()
