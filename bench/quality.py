@@ -217,7 +217,11 @@ class QualityMeter:
         n = max(1, len(v) // self.fps)
         return np.array([v[i * self.fps : (i + 1) * self.fps].mean() for i in range(n)]) if len(v) else v
 
-    def summary(self, audio: np.ndarray, boundaries: Iterable[int]) -> dict[str, float | int]:
+    def per_minute(self, values: Sequence[float]) -> list[float]:
+        v, w = np.asarray(values, np.float64), 60 * self.fps
+        return [round(float(v[i : i + w].mean()), 3) for i in range(0, len(v), w)]
+
+    def summary(self, audio: np.ndarray, boundaries: Iterable[int]) -> dict[str, float | int | list[float]]:
         n = len(self.mouth)
         env = audio_envelope(audio, n, self.fps)
         r0, lag, rb = lipsync(env, np.asarray(self.mouth))
@@ -232,6 +236,8 @@ class QualityMeter:
             "drift_face_last": round(float(np.mean(self.face_dist[-tail * self.fps :])), 3),
             "drift_background_first": round(float(np.mean(self.bg_dist[: head * self.fps])), 3),
             "drift_background_last": round(float(np.mean(self.bg_dist[-tail * self.fps :])), 3),
+            "drift_face_per_minute": self.per_minute(self.face_dist),
+            "drift_background_per_minute": self.per_minute(self.bg_dist),
             "seam_score": round(seam_score(np.asarray(self.diffs), boundaries), 4),
         }
 
@@ -312,7 +318,7 @@ def _preset_plan() -> tuple[int, int, int]:
 
 
 def run(args: argparse.Namespace, render_fn: RenderFn | None = None
-        ) -> tuple[dict[str, float | int | str], dict[str, np.ndarray], list[int]]:
+        ) -> tuple[dict[str, float | int | str | list[float]], dict[str, np.ndarray], list[int]]:
     """Score one render (ground truth, or the model twice: with and without I chunks). Returns the
     summary, the per-window series for :func:`plot`, and the chunk boundaries used."""
     from models.avatars.dataset import FPS, IDENTITY_SPLITS, AvatarRenderer
@@ -329,7 +335,7 @@ def run(args: argparse.Namespace, render_fn: RenderFn | None = None
     ident = IDENTITY_SPLITS["heldout"][0] + args.identity
     gt = AvatarRenderer(ident, motion_seed=args.seed + 17)
     ref = gt.reference()
-    out: dict[str, float | int | str] = {"mode": "ground-truth" if args.ground_truth else "model",
+    out: dict[str, float | int | str | list[float]] = {"mode": "ground-truth" if args.ground_truth else "model",
                                          "identity_seed": ident, "chunk_frames": L, "context_frames": C,
                                          "interp_frames": e}
     if args.ground_truth:
@@ -350,7 +356,7 @@ def run(args: argparse.Namespace, render_fn: RenderFn | None = None
 
         Image.fromarray(ref).save(tmpd / "reference.png")
         write_wav(tmpd / "audio.wav", audio)
-        result: dict[bool, tuple[dict[str, float | int], QualityMeter, list[int]]] = {}
+        result: dict[bool, tuple[dict[str, float | int | list[float]], QualityMeter, list[int]]] = {}
         for use_i in (True, False):
             meter = QualityMeter(ref, gt.reference_mouth_box(), gt.reference_face_box(), gt.reference_eyes_box())
             sub = tmpd / ("with_i" if use_i else "without_i")

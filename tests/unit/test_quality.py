@@ -83,6 +83,8 @@ def test_drift_ratio_detects_colour_drift() -> None:
     stable = _synthetic_meter(40, 0.0).summary(audio, [])
     assert drifting["drift_ratio"] > 1.2 and drifting["drift_face_ratio"] > 1.2
     assert drifting["drift_background_ratio"] > 1.2
+    (minute,) = drifting["drift_face_per_minute"]  # 40 s: one (partial) minute
+    assert drifting["drift_face_first"] < minute < drifting["drift_face_last"]
     assert stable["drift_ratio"] <= 1.05
 
 
