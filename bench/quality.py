@@ -21,7 +21,7 @@ audio; nothing reads model internals. Frames are consumed one at a time by :clas
 
 CLI: ``python -m bench.quality --json [--audio FILE] [--minutes M] [--plot out.png] [--ground-truth]``.
 ``--ground-truth`` scores generator renders of a held-out identity (the baseline); the model mode calls a
-``render_fn`` (default ``pipeline.render:render_for_quality``, imported lazily) twice, with and without
+``render_fn`` (default ``bench.quality_render:render_for_quality``, imported lazily) twice, with and without
 I chunks.
 """
 
@@ -113,17 +113,7 @@ def chunk_boundaries(num_frames: int, chunk_frames: int, context_frames: int, in
     ``jL + e`` are seams; without them only ``jL``."""
     from pipeline.schedule import ChunkPlan
 
-    plan = ChunkPlan(num_frames, chunk_frames, context_frames, interp_frames)
-    if not use_i_chunks:
-        return [plan.n_range(k).start for k in range(1, plan.num_n_chunks)]
-    out: set[int] = set()
-    for step in plan.steps:
-        if step.emission is None:
-            continue
-        for part in (step.emission.from_step, step.emission.from_pending):
-            if len(part) and part.start > 0:
-                out.add(part.start)
-    return sorted(out)
+    return ChunkPlan(num_frames, chunk_frames, context_frames, interp_frames, use_i_chunks=use_i_chunks).seams()
 
 
 def _erode(mask: np.ndarray, r: int) -> np.ndarray:
@@ -442,7 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--chunk-frames", type=int, default=0, help="L for GT seams (default: tiny preset)")
     p.add_argument("--context-frames", type=int, default=0, help="C (default: tiny preset)")
     p.add_argument("--interp-frames", type=int, default=0, help="e (default: tiny preset)")
-    p.add_argument("--render-fn", default="pipeline.render:render_for_quality",
+    p.add_argument("--render-fn", default="bench.quality_render:render_for_quality",
                    help="module:function rendering frames for the model mode")
     args = p.parse_args(argv)
     if args.minutes <= 0:

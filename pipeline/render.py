@@ -40,6 +40,7 @@ class RenderRequest:
     seed: int = 0
     preset: str = "tiny"
     checkpoint: Path | None = None
+    use_i_chunks: bool = True  # False renders the N-only baseline (for seam measurements)
 
 
 @dataclass(frozen=True)
@@ -98,10 +99,11 @@ def render(
     with AudioSource.open(Path(request.audio), model_rate=preset.sample_rate) as audio:
         try:
             num_frames = frames_for_audio(audio.num_samples(preset.sample_rate), preset.sample_rate, preset.fps)
-            plan = ChunkPlan(num_frames, preset.chunk_frames, preset.context_frames, preset.interp_frames)
+            plan = ChunkPlan(num_frames, preset.chunk_frames, preset.context_frames, preset.interp_frames,
+                             use_i_chunks=request.use_i_chunks)
         except PlanError as exc:
             raise InvalidInputError(f"audio {request.audio}: {exc}", field="audio") from exc
-        plan_key = (plan.num_frames, plan.chunk_frames, plan.context_frames, plan.interp_frames)
+        plan_key = plan.key
         if resume_state is not None:
             if mode != "streaming":
                 raise InvalidInputError("resume_state needs mode='streaming'", field="mode")

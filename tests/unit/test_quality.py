@@ -123,7 +123,7 @@ def test_load_audio_roundtrip(tmp_path: Path) -> None:
 
 def _args(**kw: object) -> argparse.Namespace:
     base = dict(minutes=0.15, audio=None, ground_truth=False, identity=0, seed=0, chunk_frames=16,
-                context_frames=4, interp_frames=4, render_fn="pipeline.render:render_for_quality")
+                context_frames=4, interp_frames=4, render_fn="bench.quality_render:render_for_quality")
     base.update(kw)
     return argparse.Namespace(**base)
 
