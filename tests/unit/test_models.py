@@ -316,3 +316,21 @@ def test_large_preset_layout_runs_when_shrunk() -> None:
         hr = sr(torch.randn(1, p.latent_channels, T, h, w, generator=g), ref)
     assert v.shape == (1, p.latent_channels, T, h, w)
     assert hr.shape == (1, p.latent_channels, T, h * p.lowres_factor, w * p.lowres_factor)
+
+
+def test_modules_run_in_bfloat16(preset: ModelPreset) -> None:
+    """GPUs run these in bf16: every module must accept its own dtype end to end (DSP stays fp32)."""
+    m = {k: v.eval().to(torch.bfloat16) for k, v in build_modules(preset, seed=0).items()}
+    bf = torch.bfloat16
+    T, c = 3, preset.latent_channels
+    with torch.no_grad():
+        feats = m["audio"](torch.randn(1, m["audio"].num_samples(T)).to(bf), T)
+        text, mask = m["text"](["hi"])
+        ref = torch.randn(1, c, *preset.hr_latent_hw, dtype=bf)
+        known = torch.tensor([[True, False, False]])
+        v = m["a2v"](torch.randn(1, c, T, *preset.lr_latent_hw, dtype=bf), torch.tensor([0.5], dtype=bf), known,
+                     torch.arange(T)[None], ref, feats, text, mask)
+        hr = m["sr"](torch.randn(1, c, T, *preset.lr_latent_hw, dtype=bf), ref)
+        rgb, cache = m["vae"].decode(torch.randn(1, c, 2, 4, 4, dtype=bf))
+    for out in (feats, text, v, hr, rgb, *cache):
+        assert out.dtype == bf and torch.isfinite(out.float()).all()
