@@ -43,6 +43,18 @@ def test_tiny_sizes(preset: ModelPreset) -> None:
     assert set(PRESETS) == {"tiny", "1.3b", "14b"}
 
 
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_fit_the_chunk_plan(name: str) -> None:
+    from pipeline.schedule import ChunkPlan
+
+    p = get_preset(name)
+    plan = ChunkPlan(num_frames=10 * p.chunk_frames + 3, chunk_frames=p.chunk_frames,
+                     context_frames=p.context_frames, interp_frames=p.interp_frames)
+    assert plan.num_n_chunks == 11
+    assert p.audio.sample_rate == p.sample_rate and p.audio.fps == p.fps
+    assert p.dit.in_channels == p.sr.channels == p.vae.latent_channels == p.latent_channels
+
+
 def test_unknown_preset_names_choices() -> None:
     with pytest.raises(ValueError, match=r"'huge'.*1\.3b.*14b.*tiny"):
         get_preset("huge")
