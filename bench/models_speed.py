@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from models.audio import AudioEncoder
 from models.checkpoint import build_modules
 from models.dit import A2VDiT
 from models.presets import get_preset
@@ -72,6 +73,7 @@ def main() -> None:
         mods = {k: m.eval().to(dtype) for k, m in build_modules(p, seed=0).items()}
     dit, sr, vae, audio = mods["a2v"], mods["sr"], mods["vae"], mods["audio"]
     assert isinstance(dit, A2VDiT) and isinstance(sr, SRDiT) and isinstance(vae, CausalVAE)
+    assert isinstance(audio, AudioEncoder)
     L, C, e, c = p.chunk_frames, p.context_frames, p.interp_frames, p.latent_channels
     sampler = FlowMatchEulerSampler(p.num_steps, p.shift)
     g = torch.Generator().manual_seed(0)

@@ -32,6 +32,14 @@ def _groups(c: int) -> int:
     return 1
 
 
+def _channels_last(m: nn.ModuleList) -> nn.ModuleList:
+    """Store 4D conv weights channels-last (``load_state_dict`` copies into them and keeps the layout)."""
+    for p in m.parameters():
+        if p.dim() == 4:
+            p.data = p.data.contiguous(memory_format=torch.channels_last)
+    return m
+
+
 class ResBlock2d(nn.Module):
     """Per-frame residual block on ``(N, C, H, W)`` (N = batch x frames)."""
 
@@ -120,7 +128,7 @@ class Encoder(nn.Module):
                 nn.Conv2d(ch[-1], 2 * cfg.latent_channels, 3, padding=1),
             )
         )
-        self.blocks = nn.ModuleList(blocks).to(memory_format=torch.channels_last)
+        self.blocks = _channels_last(nn.ModuleList(blocks))
 
     def forward(self, x: Tensor) -> Tensor:
         x = x.contiguous(memory_format=torch.channels_last)
@@ -165,7 +173,7 @@ class Decoder(nn.Module):
             )
         )
         # channels-last: oneDNN convolutions at 64..256 px run 2-4x faster without layout reorders
-        self.up = nn.ModuleList(up).to(memory_format=torch.channels_last)
+        self.up = _channels_last(nn.ModuleList(up))
         self.num_cache = 1 + len(self.causal)
 
     @property
