@@ -122,8 +122,11 @@ class A2VDiT(nn.Module):
         n_keep = int(valid_cols.max()) + 1 if valid_cols.numel() else 1
         text_BND, text_mask_BN = text_BND[:, :n_keep], text_mask_BN[:, :n_keep]
         text = self.text_proj(text_BND)
+        tokens = torch.cat([ref, text], dim=1)
+        if bool(text_mask_BN.all()):
+            return tokens, None  # no mask: SDPA may pick its fastest (flash) kernel
         ref_mask = torch.ones(B, ref.shape[1], dtype=torch.bool, device=ref.device)
-        return torch.cat([ref, text], dim=1), torch.cat([ref_mask, text_mask_BN], dim=1)
+        return tokens, torch.cat([ref_mask, text_mask_BN], dim=1)
 
     def forward(
         self,
