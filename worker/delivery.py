@@ -38,7 +38,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import tempfile
 import threading
 import time
@@ -49,6 +48,7 @@ from typing import IO, TypeVar
 
 from pipeline.errors import SinkError
 from pipeline.media_types import Fragment, InitSegment
+from pipeline.sinks import HLS_INIT, HLS_PLAYLIST, hls_segment_name, hls_target_duration, render_hls_playlist
 from worker.storage import ObjectNotFoundError, ObjectStore, StorageError, safe_key
 
 logger = logging.getLogger(__name__)
@@ -58,8 +58,8 @@ T = TypeVar("T")
 MIB = 1 << 20
 S3_MIN_PART_BYTES = 5 * MIB
 FINAL_NAME = "final.mp4"
-INIT_NAME = "init.mp4"
-PLAYLIST_NAME = "index.m3u8"
+INIT_NAME = HLS_INIT
+PLAYLIST_NAME = HLS_PLAYLIST
 MULTIPART_STATE_NAME = "final.mp4.multipart.json"
 
 
@@ -130,27 +130,6 @@ class DeliveryCounters:
     def media_bytes(self) -> int:
         """Everything but resume states: what the 1.01x / 2.02x budgets are measured on."""
         return self.init_bytes + self.segment_bytes + self.playlist_bytes + self.part_bytes + self.final_put_bytes
-
-
-def render_playlist(segments: Sequence[CommittedSegment], *, init_uri: str, ended: bool) -> str:
-    """HLS EVENT playlist for fMP4 segments (private copy until ``pipeline.sinks.render_hls_playlist``
-    lands; dedup then). Segment URIs are the keys' basenames, relative to the playlist."""
-    target = max((math.ceil(s.duration_s) for s in segments), default=1)
-    lines = [
-        "#EXTM3U",
-        "#EXT-X-VERSION:7",
-        "#EXT-X-PLAYLIST-TYPE:EVENT",
-        "#EXT-X-INDEPENDENT-SEGMENTS",
-        f"#EXT-X-TARGETDURATION:{max(target, 1)}",
-        "#EXT-X-MEDIA-SEQUENCE:0",
-        f'#EXT-X-MAP:URI="{init_uri}"',
-    ]
-    for s in segments:
-        lines.append(f"#EXTINF:{s.duration_s:.6f},")
-        lines.append(s.key.rsplit("/", 1)[-1])
-    if ended:
-        lines.append("#EXT-X-ENDLIST")
-    return "\n".join(lines) + "\n"
 
 
 def presigned_playlist(store: ObjectStore, prefix: str, *, expires_s: int = 3600) -> str:
@@ -235,6 +214,7 @@ class S3ProgressiveSink:
         max_backlog_bytes: int = 1024 * MIB,
         give_up_after_s: float = 120.0,
         playlist_budget: float = 0.015,
+        target_duration: int | None = None,
     ) -> None:
         self.store = store
         self.prefix = prefix
@@ -252,6 +232,7 @@ class S3ProgressiveSink:
         self._max_backlog = max_backlog_bytes
         self._give_up_after_s = give_up_after_s
         self._playlist_budget = playlist_budget
+        self._target_duration = target_duration  # HLS EXT-X-TARGETDURATION; None: first segment + 1 s
 
         done = sorted(committed, key=lambda s: s.index)
         if [s.index for s in done] != list(range(len(done))):
@@ -513,7 +494,7 @@ class S3ProgressiveSink:
     def _deliver(self, fragment: Fragment, data: bytes, state: bytes | None) -> None:
         checksum = hashlib.sha256(data).hexdigest()
         if self.preview:
-            key = safe_key(self.prefix, f"seg_{fragment.index:05d}.m4s")
+            key = safe_key(self.prefix, hls_segment_name(fragment.index))
             self._put(key, data, "segment_bytes", "video/iso.segment")
             self.counters.num_segments += 1
             state_key = None
@@ -541,7 +522,17 @@ class S3ProgressiveSink:
             ) from exc
 
     def _put_playlist(self, *, ended: bool, optional: bool = False) -> None:
-        text = render_playlist(self._committed, init_uri=INIT_NAME, ended=ended).encode()
+        segments = [(seg.key.rsplit("/", 1)[-1], seg.duration_s) for seg in self._committed]
+        longest = max((d for _, d in segments), default=0.0)
+        if self._target_duration is None and segments:
+            # fixed by the first segment with 1 s of headroom (it must not change in an EVENT playlist)
+            self._target_duration = hls_target_duration(segments[0][1]) + 1
+        target = max(self._target_duration or 1, hls_target_duration(longest))
+        if self._target_duration is not None and target > self._target_duration:
+            logger.warning("segment of %.3f s exceeds the HLS target duration %d; raising it", longest,
+                           self._target_duration)
+            self._target_duration = target
+        text = render_hls_playlist(segments, target, ended=ended, init_uri=INIT_NAME).encode()
         if optional and len(self._committed) > 1:
             # Each rewrite re-sends the whole list (O(n^2) bytes over a render). Stay within
             # playlist_budget of the segment bytes: every segment for ordinary sizes, thinning out

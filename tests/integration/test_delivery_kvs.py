@@ -111,3 +111,13 @@ def test_hls_session_url(standin: KVSStandIn) -> None:
     url = client.hls_session_url(expires_s=600)
     assert url.startswith(standin.url + "/hls/v1/getHLSMasterPlaylist.m3u8?SessionToken=")
     assert standin.state.rejected == []
+
+
+def test_retries_are_bounded(standin: KVSStandIn) -> None:
+    # fragment 3 fails on every session: after max_retries new sessions the preview gives up
+    standin.state.inject = {n: 5000 for n in range(3, 12)}
+    sink = make_sink(standin)
+    render_to([sink])
+    assert sink.status == "stopped" and "failed 4 times" in (sink.error or "")
+    assert sink.acked == [0, 1, 2]
+    assert standin.state.sessions == 4  # the first session + max_retries (3) reconnects

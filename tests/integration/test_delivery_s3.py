@@ -15,7 +15,7 @@ from pipeline.media_types import Fragment
 from tests.integration.delivery_media import Sample, decode_frames, ffprobe_duration, make_sample
 from tests.integration.s3_fixtures import MotoServer, moto_s3, s3_store  # noqa: F401
 from worker.delivery import CommittedSegment, MultipartState, S3ProgressiveSink, presigned_playlist
-from worker.storage import LocalObjectStore, ObjectStore, S3ObjectStore, job_prefix
+from worker.storage import LocalObjectStore, ObjectStore, S3ObjectStore, StorageError, job_prefix
 
 pytestmark = pytest.mark.integration
 
@@ -247,3 +247,40 @@ def test_playlist_budget_long_render(tmp_path: Path) -> None:
     assert len(check_playlist(store, sink)) == 1000
     assert sink.counters.num_playlist_skips > 0
     assert store.get_bytes(sink.final_key) == sample.mp4
+
+
+def test_s3_store_over_http_and_no_retry_on_4xx(moto_s3: MotoServer, tmp_path: Path) -> None:  # noqa: F811
+    store = moto_s3.store()
+    key = PREFIX + "x/obj.bin"
+    store.put_bytes(key, b"payload", content_type="application/octet-stream")
+    assert store.exists(key) and store.get_bytes(key) == b"payload"
+    assert store.list(PREFIX) == [key]
+    assert httpx.get(store.presign_get(key, 60)).content == b"payload"
+    assert store.uri(key) == f"s3://{store.bucket}/{key}"
+    upload = store.create_multipart(PREFIX + "mp.bin")
+    etag = store.upload_part(PREFIX + "mp.bin", upload, 1, b"a" * 100)
+    assert [(p.part_number, p.etag) for p in store.list_parts(PREFIX + "mp.bin", upload)] == [(1, etag)]
+    store.abort_multipart(PREFIX + "mp.bin", upload)
+    store.delete(key)
+    assert not store.exists(key)
+
+    # a base prefix from the URL scopes every key
+    scoped = moto_s3.store(store.bucket, base_prefix="env/prod")
+    scoped.put_bytes(key, b"scoped")
+    assert store.get_bytes("env/prod/" + key) == b"scoped"
+
+    # 4xx (here NoSuchBucket) is not retried: one request, non-retryable error, sink fails at once
+    missing = moto_s3.store("no-such-bucket-" + store.bucket[-8:], max_attempts=5)
+    with pytest.raises(StorageError) as info:
+        missing.put_bytes(key, b"x")
+    assert not info.value.retryable and missing.num_requests == 1
+    sink = S3ProgressiveSink(missing, PREFIX, on_commit=lambda seg: None)
+    sample = make_sample(6.0)
+    sink.open(sample.init)
+    t0 = time.monotonic()
+    with pytest.raises(SinkError, match="NoSuchBucket") as sink_info:
+        for frag in sample.fragments:
+            sink.write(frag)
+            time.sleep(0.05)
+        sink.close(ok=True)
+    assert time.monotonic() - t0 < 5 and sink_info.value.retryable is False
