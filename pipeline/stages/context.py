@@ -7,8 +7,8 @@ import numpy as np
 import torch
 
 from pipeline import ports as P
-from pipeline.ports import AudioReader
 from pipeline.module import Module
+from pipeline.ports import AudioReader
 from pipeline.stage import Phase, Stage, Values
 from pipeline.stages.common import Timings, step_generator
 
