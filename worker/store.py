@@ -490,14 +490,16 @@ class JobStore:
         self._retry(op, what=f"fail job {job_id}")
 
     def requeue(self, lease: Lease, *, code: str, message: str) -> bool:
-        """End this attempt after a retryable error: back to queued if attempts are left (True:
-        the caller publishes a new message), else failed with the error (False). Fenced."""
+        """End this attempt after a retryable error: back to queued if attempts are left and no
+        cancel is pending (True: the caller publishes a new message); else cancelled (cancel
+        pending) or failed with the error (False). Fenced."""
 
         def op() -> bool:
             now = _utcnow()
             with self.engine.begin() as conn:
                 res = conn.execute(
-                    update(JobRow).where(_fenced(lease), JobRow.attempts < JobRow.max_attempts)
+                    update(JobRow).where(_fenced(lease), JobRow.attempts < JobRow.max_attempts,
+                                         JobRow.cancel_requested.is_(False))
                     .values(status="queued", queued_at=now, updated_at=now, lease_owner=None,
                             lease_expires_at=None, error_code=code[:64], error_message=message)
                 )
@@ -505,6 +507,11 @@ class JobStore:
 
         if self._retry(op, what=f"requeue job {lease.job_id}"):
             return True
+        if self.cancel_requested(lease.job_id):
+            self._end(lease, "cancelled", {"outputs_partial": True, "error_code": "cancelled",
+                                           "error_message": f"cancelled on request; last attempt: {message}"},
+                      "cancel")
+            return False
         self._end(lease, "failed", {"error_code": code[:64], "error_message":
                                     f"{message} (attempt {lease.attempt}, no attempts left)"}, "fail")
         return False

@@ -86,7 +86,7 @@ class _S3Delivery:
         return self.sink.outputs()
 
     def partial_outputs(self) -> dict[str, str]:
-        out = {"segments": self.store.uri(self.prefix)}
+        out = {"segments": self.store.uri(self.prefix.rstrip("/")) + "/"}
         if self.sink.preview:
             out["hls"] = self.store.uri(self.sink.playlist_key)
         return out

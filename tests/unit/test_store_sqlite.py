@@ -132,3 +132,12 @@ def test_retryable_error_requeues_until_attempts_run_out(store: JobStore) -> Non
     assert lease is not None and not store.requeue(lease, code="sink_error", message="upload failed")
     rec = store.get(job.id)
     assert rec is not None and rec.status == "failed" and rec.error_code == "sink_error"
+
+
+def test_retryable_error_with_cancel_pending_cancels(store: JobStore) -> None:
+    job = store.create(SPEC, tenant="t1")
+    lease = store.claim(job.id, owner="w", lease_s=5)
+    assert lease is not None and store.request_cancel(job.id, tenant="t1")
+    assert not store.requeue(lease, code="sink_error", message="upload failed")
+    rec = store.get(job.id)
+    assert rec is not None and rec.status == "cancelled" and rec.outputs_partial
