@@ -40,6 +40,9 @@ class Settings(BaseSettings):
         description="Where outputs go: s3://bucket/prefix or file:///abs/dir (a relative file:// path is "
         "taken from the working directory)",
     )
+    kvs_endpoint_url: str | None = Field(
+        default=None, description="Kinesis Video Streams control endpoint (a local stand-in); None = AWS"
+    )
     s3_endpoint_url: str | None = Field(default=None, description="S3-compatible endpoint (MinIO, moto); None = AWS")
     file_root: Path | None = Field(
         default=None, description="Directory that file:// inputs must lie under; None rejects file:// inputs"

@@ -38,7 +38,7 @@ from urllib.parse import unquote, urlsplit
 from celery import Celery
 
 from pipeline.errors import InvalidInputError
-from pipeline.media_types import Fragment, FrameSink
+from pipeline.media_types import Fragment, FrameSink, InitSegment
 from worker import metrics
 from worker.db import DbRetry, make_engine
 from worker.logging import job_context, set_chunk
@@ -66,6 +66,38 @@ class JobDelivery(Protocol):
 DeliveryFactory = Callable[..., JobDelivery]
 
 
+class _BestEffortSink:
+    """Wraps a preview sink (KVS) so that its failure costs the preview, not the job: the first
+    error is logged and the wrapped sink is dropped for the rest of the attempt."""
+
+    def __init__(self, sink: FrameSink, what: str) -> None:
+        self._sink: FrameSink | None = sink
+        self._what = what
+
+    def _call(self, fn: Callable[[FrameSink], None]) -> None:
+        if self._sink is None:
+            return
+        try:
+            fn(self._sink)
+        except Exception as exc:
+            log.warning("%s failed and is switched off for this attempt: %s", self._what, exc)
+            sink, self._sink = self._sink, None
+            try:
+                sink.close(ok=False)
+            except Exception as close_exc:
+                log.warning("%s: close after failure failed too: %s", self._what, close_exc)
+
+    def open(self, init: InitSegment) -> None:
+        self._call(lambda s: s.open(init))
+
+    def write(self, fragment: Fragment) -> None:
+        self._call(lambda s: s.write(fragment))
+
+    def close(self, *, ok: bool) -> None:
+        self._call(lambda s: s.close(ok=ok))
+        self._sink = None
+
+
 class _S3Delivery:
     """Adapter from :class:`worker.delivery.S3ProgressiveSink` to :class:`JobDelivery`."""
 
@@ -81,6 +113,13 @@ class _S3Delivery:
             on_commit=on_commit, preview=spec.preview.hls,
         )
         self.sinks: Sequence[FrameSink] = [self.sink]
+        if spec.preview.kvs is not None:
+            from worker.kvs.putmedia import PutMediaClient
+            from worker.kvs_sink import KVSPreviewSink
+
+            client = PutMediaClient(spec.preview.kvs.stream_name, region=spec.preview.kvs.region,
+                                    endpoint_url=settings.kvs_endpoint_url)
+            self.sinks = [self.sink, _BestEffortSink(KVSPreviewSink(client), "kvs preview")]
 
     def outputs(self) -> dict[str, str]:
         return self.sink.outputs()
