@@ -85,7 +85,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # publishing (API, reaper) retries a lost connection for a bounded time
         "task_publish_retry": True,
         "task_publish_retry_policy": {
-            "max_retries": 30, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 3.0,
+            "max_retries": 30,
+            "interval_start": 0.2,
+            "interval_step": 0.5,
+            "interval_max": 3.0,
         },
     }
 
@@ -130,8 +133,11 @@ def reaper_loop(celery: Celery, settings: Settings, stop: threading.Event) -> No
     from worker.store import JobStore
 
     engine = make_engine(settings.database_url, pool_size=1)
-    store = JobStore(engine, max_attempts=settings.max_attempts,
-                     retry=DbRetry(settings.db_retry_attempts, settings.db_retry_max_wait_s))
+    store = JobStore(
+        engine,
+        max_attempts=settings.max_attempts,
+        retry=DbRetry(settings.db_retry_attempts, settings.db_retry_max_wait_s),
+    )
     try:
         while not stop.wait(settings.reaper_interval_s):
             try:
@@ -157,8 +163,9 @@ def _setup_logging(**_: Any) -> None:
 def _start_reaper(sender: Any = None, **_: Any) -> None:
     s: Settings = app.conf.longtake_settings
     if s.reaper_enabled and s.reaper_interval_s > 0:
-        threading.Thread(target=reaper_loop, args=(app, s, _reaper_stop), name="longtake-reaper",
-                         daemon=True).start()
+        threading.Thread(
+            target=reaper_loop, args=(app, s, _reaper_stop), name="longtake-reaper", daemon=True
+        ).start()
         log.info("reaper thread started (every %.1f s)", s.reaper_interval_s)
 
 

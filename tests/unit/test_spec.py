@@ -83,7 +83,11 @@ def test_file_uri_under_allowed_root(tmp_path: Path) -> None:
 
 def test_kvs_and_idempotency_key() -> None:
     spec = JobSpec.model_validate(
-        {**GOOD, "preview": {"kvs": {"stream_name": "demo-1", "region": "eu-west-1"}}, "idempotency_key": "k:1"}
+        {
+            **GOOD,
+            "preview": {"kvs": {"stream_name": "demo-1", "region": "eu-west-1"}},
+            "idempotency_key": "k:1",
+        }
     )
     assert spec.preview.kvs is not None and spec.preview.kvs.region == "eu-west-1"
     assert "region" in _err({**GOOD, "preview": {"kvs": {"stream_name": "s", "region": "mars"}}})
