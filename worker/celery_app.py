@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import Celery, signals
 
 from worker.settings import Settings
+
+if TYPE_CHECKING:
+    from worker.store import JobStore
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +85,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # publishing (API, reaper) retries a lost connection for a bounded time
         "task_publish_retry": True,
         "task_publish_retry_policy": {
-            "max_retries": 30, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 3.0,
+            "max_retries": 30,
+            "interval_start": 0.2,
+            "interval_step": 0.5,
+            "interval_max": 3.0,
         },
     }
 
@@ -105,26 +111,37 @@ def enqueue_render(celery: Celery, job_id: str, *, queue: str, priority: int = 5
     celery.send_task(RENDER_TASK_NAME, args=[job_id], queue=queue, priority=9 - max(0, min(9, priority)))
 
 
+def reap_once(store: JobStore, celery: Celery, *, queue: str) -> list[str]:
+    """One reaper pass (``longtake reap`` and the worker's reaper thread): requeue expired leases
+    and publish a fresh message for each requeued job (its old one died with its worker)."""
+    from worker.metrics import REAPED
+
+    ids = store.requeue_expired()
+    for job_id in ids:
+        REAPED.inc()
+        rec = store.get(job_id)
+        enqueue_render(celery, job_id, queue=queue, priority=rec.spec.priority if rec is not None else 5)
+        log.info("reaper: republished job %s", job_id, extra={"job_id": job_id})
+    return ids
+
+
 def reaper_loop(celery: Celery, settings: Settings, stop: threading.Event) -> None:
     """Requeue expired leases every ``reaper_interval_s`` and publish a message for each requeued
     job (its old message died with its worker). Runs until ``stop`` is set; errors are logged and
     the loop goes on (a DB or broker outage must not kill the thread)."""
     from worker.db import DbRetry, make_engine
-    from worker.metrics import REAPED
     from worker.store import JobStore
 
     engine = make_engine(settings.database_url, pool_size=1)
-    store = JobStore(engine, max_attempts=settings.max_attempts,
-                     retry=DbRetry(settings.db_retry_attempts, settings.db_retry_max_wait_s))
+    store = JobStore(
+        engine,
+        max_attempts=settings.max_attempts,
+        retry=DbRetry(settings.db_retry_attempts, settings.db_retry_max_wait_s),
+    )
     try:
         while not stop.wait(settings.reaper_interval_s):
             try:
-                for job_id in store.requeue_expired():
-                    REAPED.inc()
-                    rec = store.get(job_id)
-                    enqueue_render(celery, job_id, queue=settings.queue_name,
-                                   priority=rec.priority if rec is not None else 5)
-                    log.info("reaper: republished job %s", job_id, extra={"job_id": job_id})
+                reap_once(store, celery, queue=settings.queue_name)
             except Exception:
                 log.exception("reaper pass failed; retrying in %.1f s", settings.reaper_interval_s)
     finally:
@@ -146,8 +163,9 @@ def _setup_logging(**_: Any) -> None:
 def _start_reaper(sender: Any = None, **_: Any) -> None:
     s: Settings = app.conf.longtake_settings
     if s.reaper_enabled and s.reaper_interval_s > 0:
-        threading.Thread(target=reaper_loop, args=(app, s, _reaper_stop), name="longtake-reaper",
-                         daemon=True).start()
+        threading.Thread(
+            target=reaper_loop, args=(app, s, _reaper_stop), name="longtake-reaper", daemon=True
+        ).start()
         log.info("reaper thread started (every %.1f s)", s.reaper_interval_s)
 
 

@@ -78,7 +78,10 @@ class DbRetry:
             exc = state.outcome.exception() if state.outcome else None
             log.warning(
                 "database connection error during %s (try %d of %d), retrying: %s",
-                what, state.attempt_number, self.attempts, exc,
+                what,
+                state.attempt_number,
+                self.attempts,
+                exc,
             )
 
         retrying = Retrying(

@@ -60,7 +60,8 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, object] = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
             "level": record.levelname,
             "logger": record.name,
             "msg": record.getMessage(),
@@ -82,7 +83,9 @@ def configure_logging(level: str = "INFO", *, json_lines: bool = True) -> None:
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(
-            logging.Formatter("%(asctime)s %(levelname)s %(name)s [job=%(job_id)s chunk=%(chunk)s] %(message)s")
+            logging.Formatter(
+                "%(asctime)s %(levelname)s %(name)s [job=%(job_id)s chunk=%(chunk)s] %(message)s"
+            )
         )
     root = logging.getLogger()
     for h in list(root.handlers):

@@ -23,24 +23,29 @@ log = logging.getLogger(__name__)
 JOB_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
 
 ATTEMPTS = Counter(
-    "longtake_job_attempts", "Render attempts by how they ended "
-    "(succeeded, failed, cancelled, requeued, lease_lost, skipped)", ["outcome"],
+    "longtake_job_attempts",
+    "Render attempts by how they ended (succeeded, failed, cancelled, requeued, lease_lost, skipped)",
+    ["outcome"],
 )
 SEGMENTS = Counter("longtake_segments_committed", "Output segments committed under a lease")
 CHUNK_SECONDS = Histogram(
-    "longtake_chunk_seconds", "Wall time per chunk (emission) of a render",
+    "longtake_chunk_seconds",
+    "Wall time per chunk (emission) of a render",
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
 )
 FRAMES_PER_SECOND = Histogram(
-    "longtake_render_frames_per_second", "Frames rendered per wall second over one attempt",
+    "longtake_render_frames_per_second",
+    "Frames rendered per wall second over one attempt",
     buckets=(0.5, 1, 2, 5, 10, 25, 50, 100, 250, 500),
 )
 TIME_TO_FIRST_FRAME = Histogram(
-    "longtake_time_to_first_frame_seconds", "From claim to the first encoded fragment of an attempt",
+    "longtake_time_to_first_frame_seconds",
+    "From claim to the first encoded fragment of an attempt",
     buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600),
 )
 QUEUE_WAIT = Histogram(
-    "longtake_queue_wait_seconds", "From (re)queue to claim",
+    "longtake_queue_wait_seconds",
+    "From (re)queue to claim",
     buckets=(0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600),
 )
 BUSY = Gauge("longtake_worker_busy", "1 while this worker process runs a job")
@@ -69,7 +74,9 @@ class JobsByStatusCollector(Collector):
         yield fam
 
 
-def start_metrics_server(port: int, count_by_status: Callable[[], dict[str, int]] | None = None) -> int | None:
+def start_metrics_server(
+    port: int, count_by_status: Callable[[], dict[str, int]] | None = None
+) -> int | None:
     """Serve ``/metrics`` on ``port`` once per process (0 = off). Returns the port served, if any."""
     global _server_port, _collector
     if port <= 0:

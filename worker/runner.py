@@ -137,16 +137,26 @@ def _child_main(conn: Connection, cancel: Any, job: RenderJob) -> None:
             module = importlib.import_module(module_name)
             render = getattr(module, func_name)
             request = module.RenderRequest(
-                image=Path(job.image), audio=Path(job.audio), text=job.text, seed=job.seed,
-                preset=job.preset, checkpoint=Path(job.checkpoint) if job.checkpoint else None,
+                image=Path(job.image),
+                audio=Path(job.audio),
+                text=job.text,
+                seed=job.seed,
+                preset=job.preset,
+                checkpoint=Path(job.checkpoint) if job.checkpoint else None,
             )
 
             def on_progress(p: Any) -> None:
                 set_chunk(getattr(p, "emission_index", None))
                 send(("progress", _as_dict(p)))
 
-            result = render(request, [_PipeSink(conn, lock)], mode="streaming", resume_state=job.resume_state,
-                            should_cancel=cancel.is_set, on_progress=on_progress)
+            result = render(
+                request,
+                [_PipeSink(conn, lock)],
+                mode="streaming",
+                resume_state=job.resume_state,
+                should_cancel=cancel.is_set,
+                on_progress=on_progress,
+            )
             send(("done", _as_dict(result)))
         except BaseException as exc:  # everything is reported to the parent, which decides
             code = str(getattr(exc, "code", "") or "")
@@ -218,8 +228,9 @@ class RenderRunner:
         recv_conn, send_conn = ctx.Pipe(duplex=False)
         cancel = ctx.Event()
         with _children_allowed():
-            proc = ctx.Process(target=_child_main, args=(send_conn, cancel, self.job),
-                               name=f"render-{self.job.job_id[:8]}")
+            proc = ctx.Process(
+                target=_child_main, args=(send_conn, cancel, self.job), name=f"render-{self.job.job_id[:8]}"
+            )
             proc.start()
         send_conn.close()  # the parent only reads; EOF then means the child is gone
         self.pid = proc.pid
@@ -240,7 +251,9 @@ class RenderRunner:
                         log.warning("stopping render process %s: %s", proc.pid, reason)
                         self._stop_process(proc)
                 if cancel_deadline is not None and time.monotonic() > cancel_deadline and proc.is_alive():
-                    log.warning("render did not stop within %.1f s of the cancel; terminating", self.cancel_grace_s)
+                    log.warning(
+                        "render did not stop within %.1f s of the cancel; terminating", self.cancel_grace_s
+                    )
                     self._stop_process(proc)
                     cancel_deadline = None
                 if not recv_conn.poll(self.poll_s):
@@ -255,7 +268,9 @@ class RenderRunner:
                     log.error("sink failed: %s; stopping the render", exc)
                     self._stop_process(proc)
                     final = RenderOutcome(
-                        status="failed", code=str(getattr(exc, "code", "sink_error")), message=str(exc),
+                        status="failed",
+                        code=str(getattr(exc, "code", "sink_error")),
+                        message=str(exc),
                         retryable=bool(getattr(exc, "retryable", True)),
                     )
                     break
@@ -273,14 +288,23 @@ class RenderRunner:
             return RenderOutcome(status="stopped", code="lease_lost", message="lease lost", exitcode=exitcode)
         if final is not None:
             if final.status == "succeeded" and not self._closed:
-                return RenderOutcome(status="failed", code="render_failed", retryable=True, exitcode=exitcode,
-                                     message="render returned without closing its sinks")
+                return RenderOutcome(
+                    status="failed",
+                    code="render_failed",
+                    retryable=True,
+                    exitcode=exitcode,
+                    message="render returned without closing its sinks",
+                )
             return dataclasses.replace(final, exitcode=exitcode)
         if stop == "cancel":
-            return RenderOutcome(status="cancelled", message="render killed after the cancel grace period",
-                                 exitcode=exitcode)
+            return RenderOutcome(
+                status="cancelled", message="render killed after the cancel grace period", exitcode=exitcode
+            )
         return RenderOutcome(
-            status="failed", code="render_crashed", retryable=True, exitcode=exitcode,
+            status="failed",
+            code="render_crashed",
+            retryable=True,
+            exitcode=exitcode,
             message=f"render process {self.pid} exited with code {exitcode} before finishing "
             "(killed, out of memory, or crashed); the job resumes from its last committed chunk",
         )

@@ -28,7 +28,9 @@ class Settings(BaseSettings):
         default="sqlite:///.longtake/longtake.db",
         description="SQLAlchemy URL of the jobs database, e.g. postgresql+psycopg://user@host/db",
     )
-    db_pool_size: int = Field(default=5, ge=1, le=100, description="Connections kept per process (PostgreSQL)")
+    db_pool_size: int = Field(
+        default=5, ge=1, le=100, description="Connections kept per process (PostgreSQL)"
+    )
     db_retry_attempts: int = Field(
         default=8, ge=1, le=100, description="Tries of one DB operation on connection loss before giving up"
     )
@@ -40,11 +42,18 @@ class Settings(BaseSettings):
         description="Where outputs go: s3://bucket/prefix or file:///abs/dir (a relative file:// path is "
         "taken from the working directory)",
     )
-    s3_endpoint_url: str | None = Field(default=None, description="S3-compatible endpoint (MinIO, moto); None = AWS")
+    kvs_endpoint_url: str | None = Field(
+        default=None, description="Kinesis Video Streams control endpoint (a local stand-in); None = AWS"
+    )
+    s3_endpoint_url: str | None = Field(
+        default=None, description="S3-compatible endpoint (MinIO, moto); None = AWS"
+    )
     file_root: Path | None = Field(
         default=None, description="Directory that file:// inputs must lie under; None rejects file:// inputs"
     )
-    work_dir: Path = Field(default=Path(".longtake/work"), description="Scratch directory for downloaded inputs")
+    work_dir: Path = Field(
+        default=Path(".longtake/work"), description="Scratch directory for downloaded inputs"
+    )
 
     # --- queue ---------------------------------------------------------------------------------
     broker_url: str = Field(
@@ -53,30 +62,43 @@ class Settings(BaseSettings):
     )
     queue_name: str = Field(default="longtake", description="Celery queue the render tasks go to")
     max_job_s: float = Field(
-        default=48 * 3600.0, gt=0, description="Longest a job may run (wall clock); the broker visibility "
-        "timeout must exceed it"
+        default=48 * 3600.0,
+        gt=0,
+        description="Longest a job may run (wall clock); the broker visibility timeout must exceed it",
     )
     visibility_timeout_s: int = Field(
-        default=72 * 3600, gt=0, description="Redis visibility timeout: an unacked message is redelivered after this"
+        default=72 * 3600,
+        gt=0,
+        description="Redis visibility timeout: an unacked message is redelivered after this",
     )
-    broker_socket_timeout_s: float = Field(default=10.0, gt=0, description="Redis socket (read/connect) timeout")
+    broker_socket_timeout_s: float = Field(
+        default=10.0, gt=0, description="Redis socket (read/connect) timeout"
+    )
     broker_retry_max_s: float = Field(
         default=300.0, gt=0, description="How long the worker keeps retrying a lost broker connection"
     )
 
     # --- leases -------------------------------------------------------------------------------
     lease_s: float = Field(default=60.0, gt=0, description="A claim is valid this long unless heartbeated")
-    heartbeat_s: float = Field(default=10.0, gt=0, description="Interval between lease heartbeats (< lease_s / 2)")
-    max_attempts: int = Field(default=3, ge=1, le=100, description="Claims per job before it is failed for good")
+    heartbeat_s: float = Field(
+        default=10.0, gt=0, description="Interval between lease heartbeats (< lease_s / 2)"
+    )
+    max_attempts: int = Field(
+        default=3, ge=1, le=100, description="Claims per job before it is failed for good"
+    )
     reaper_interval_s: float = Field(
-        default=15.0, gt=0, description="How often each worker's reaper thread requeues expired leases (0 = off)"
+        default=15.0,
+        gt=0,
+        description="How often each worker's reaper thread requeues expired leases (0 = off)",
     )
     reaper_enabled: bool = Field(default=True, description="Run the reaper thread in the worker process")
     cancel_grace_s: float = Field(
         default=10.0, ge=0, description="After a cancel: wait this long for the render to stop, then SIGTERM"
     )
     kill_grace_s: float = Field(default=5.0, ge=0, description="After SIGTERM: wait this long, then SIGKILL")
-    cancel_poll_s: float = Field(default=1.0, gt=0, description="How often a running job's cancel flag is read")
+    cancel_poll_s: float = Field(
+        default=1.0, gt=0, description="How often a running job's cancel flag is read"
+    )
 
     # --- rendering ----------------------------------------------------------------------------
     render_entry: str = Field(
@@ -87,11 +109,15 @@ class Settings(BaseSettings):
         default="worker.tasks:s3_delivery",
         description="module:function building a job's sinks (see worker.tasks.JobDelivery)",
     )
-    checkpoint: Path | None = Field(default=None, description="Model checkpoint for the preset (None = preset default)")
+    checkpoint: Path | None = Field(
+        default=None, description="Model checkpoint for the preset (None = preset default)"
+    )
     worker_name: str | None = Field(default=None, description="Lease owner name; default host:pid")
 
     # --- operations ---------------------------------------------------------------------------
-    metrics_port: int = Field(default=0, ge=0, le=65535, description="Prometheus endpoint port of a worker; 0 = off")
+    metrics_port: int = Field(
+        default=0, ge=0, le=65535, description="Prometheus endpoint port of a worker; 0 = off"
+    )
     log_level: str = Field(default="INFO", description="Root log level")
     log_json: bool = Field(default=True, description="Structured JSON logs (one object per line)")
 
@@ -101,7 +127,9 @@ class Settings(BaseSettings):
     api_tokens: dict[str, str] = Field(
         default_factory=dict, description="Bearer token -> tenant id (JSON object in LONGTAKE_API_TOKENS)"
     )
-    presign_expires_s: int = Field(default=3600, gt=0, le=7 * 86400, description="Lifetime of presigned output URLs")
+    presign_expires_s: int = Field(
+        default=3600, gt=0, le=7 * 86400, description="Lifetime of presigned output URLs"
+    )
     upload_max_bytes: int = Field(default=512 * 1024 * 1024, gt=0, description="Largest accepted upload")
 
     @model_validator(mode="after")

@@ -135,7 +135,9 @@ class KvsPreviewSpec(BaseModel):
     @classmethod
     def _stream_name(cls, v: str) -> str:
         if not _NAME_RE.match(v):
-            raise ValueError(f"preview.kvs.stream_name: {v!r} is not a KVS stream name; use 1-256 of A-Z a-z 0-9 _ . -")
+            raise ValueError(
+                f"preview.kvs.stream_name: {v!r} is not a KVS stream name; use 1-256 of A-Z a-z 0-9 _ . -"
+            )
         return v
 
     @field_validator("region")
@@ -151,7 +153,9 @@ class PreviewSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    hls: bool = Field(default=True, description="Keep an HLS EVENT playlist updated as fragments are uploaded")
+    hls: bool = Field(
+        default=True, description="Keep an HLS EVENT playlist updated as fragments are uploaded"
+    )
     kvs: KvsPreviewSpec | None = Field(default=None, description="Also stream to this KVS stream, or none")
 
 
@@ -161,7 +165,9 @@ class OutputSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     container: Literal["mp4"] = Field(default="mp4", description="Final file format (fragmented MP4)")
-    keep_segments: bool = Field(default=True, description="Keep the per-fragment objects after the final MP4 is made")
+    keep_segments: bool = Field(
+        default=True, description="Keep the per-fragment objects after the final MP4 is made"
+    )
 
 
 class JobSpec(BaseModel):
@@ -169,10 +175,16 @@ class JobSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    image: str = Field(description="Reference image URI: s3://, file:// (under the allowed root) or upload://")
+    image: str = Field(
+        description="Reference image URI: s3://, file:// (under the allowed root) or upload://"
+    )
     audio: str = Field(description="Driving audio URI: s3://, file:// (under the allowed root) or upload://")
-    text: str | None = Field(default=None, description=f"Optional text/scene prompt, at most {TEXT_MAX_CHARS} characters")
-    seed: int = Field(default=0, ge=0, lt=2**63, description="Seed; the same seed and inputs give the same video")
+    text: str | None = Field(
+        default=None, description=f"Optional text/scene prompt, at most {TEXT_MAX_CHARS} characters"
+    )
+    seed: int = Field(
+        default=0, ge=0, lt=2**63, description="Seed; the same seed and inputs give the same video"
+    )
     preset: str = Field(default="tiny", description="Model preset name (e.g. 'tiny')")
     priority: int = Field(default=5, ge=0, le=9, description="Queue priority 0 (lowest) to 9 (highest)")
     idempotency_key: str | None = Field(
@@ -203,7 +215,9 @@ class JobSpec(BaseModel):
     @classmethod
     def _preset(cls, v: str) -> str:
         if not _PRESET_RE.match(v):
-            raise ValueError(f"preset: {v!r} is not a preset name; use lowercase letters, digits, '.', '_' or '-' (e.g. 'tiny')")
+            raise ValueError(
+                f"preset: {v!r} is not a preset name; use lowercase letters, digits, '.', '_' or '-' (e.g. 'tiny')"
+            )
         return v
 
     @field_validator("idempotency_key")

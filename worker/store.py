@@ -204,7 +204,9 @@ class JobStore:
 
     def _greatest(self, column: Any, value: int) -> Any:
         # SQLite's two-argument max() is PostgreSQL's greatest()
-        return func.max(column, value) if self.engine.dialect.name == "sqlite" else func.greatest(column, value)
+        return (
+            func.max(column, value) if self.engine.dialect.name == "sqlite" else func.greatest(column, value)
+        )
 
     # ------------------------------------------------------------------ submission and reads
     def create(self, spec: JobSpec, *, tenant: str, max_attempts: int | None = None) -> JobRecord:
@@ -221,13 +223,27 @@ class JobStore:
                 if existing is not None:
                     return existing
                 now = _utcnow()
-                s.add(JobRow(
-                    id=job_id, tenant=tenant, idempotency_key=spec.idempotency_key, status="queued",
-                    priority=spec.priority, spec=spec.model_dump(mode="json"), attempts=0,
-                    max_attempts=attempts, cancel_requested=False, progress_chunks=0,
-                    progress_frames=0, progress_s=0.0, created_at=now, queued_at=now, updated_at=now,
-                    outputs={}, outputs_partial=False,
-                ))
+                s.add(
+                    JobRow(
+                        id=job_id,
+                        tenant=tenant,
+                        idempotency_key=spec.idempotency_key,
+                        status="queued",
+                        priority=spec.priority,
+                        spec=spec.model_dump(mode="json"),
+                        attempts=0,
+                        max_attempts=attempts,
+                        cancel_requested=False,
+                        progress_chunks=0,
+                        progress_frames=0,
+                        progress_s=0.0,
+                        created_at=now,
+                        queued_at=now,
+                        updated_at=now,
+                        outputs={},
+                        outputs_partial=False,
+                    )
+                )
                 try:
                     s.commit()
                 except IntegrityError:
@@ -306,8 +322,9 @@ class JobStore:
             expires = now + timedelta(seconds=lease_s)
             with Session(self.engine) as s, s.begin():
                 mine = s.scalars(
-                    select(JobRow).where(JobRow.id == job_id, JobRow.lease_token == token,
-                                         JobRow.status == "running")
+                    select(JobRow).where(
+                        JobRow.id == job_id, JobRow.lease_token == token, JobRow.status == "running"
+                    )
                 ).first()
                 if mine is None:
                     res = s.execute(
@@ -322,9 +339,13 @@ class JobStore:
                             ),
                         )
                         .values(
-                            status="running", lease_owner=owner, lease_token=token,
-                            lease_expires_at=expires, attempts=JobRow.attempts + 1,
-                            started_at=func.coalesce(JobRow.started_at, now), updated_at=now,
+                            status="running",
+                            lease_owner=owner,
+                            lease_token=token,
+                            lease_expires_at=expires,
+                            attempts=JobRow.attempts + 1,
+                            started_at=func.coalesce(JobRow.started_at, now),
+                            updated_at=now,
                         )
                         .execution_options(synchronize_session=False)
                     )
@@ -332,8 +353,14 @@ class JobStore:
                         return None
                     mine = s.get(JobRow, job_id, populate_existing=True)
                     assert mine is not None
-                return Lease(job_id=job_id, owner=owner, token=token, attempt=mine.attempts,
-                             lease_s=lease_s, expires_at=_aware(mine.lease_expires_at) or expires)
+                return Lease(
+                    job_id=job_id,
+                    owner=owner,
+                    token=token,
+                    attempt=mine.attempts,
+                    lease_s=lease_s,
+                    expires_at=_aware(mine.lease_expires_at) or expires,
+                )
 
         return self._retry(op, what=f"claim job {job_id}")
 
@@ -344,7 +371,8 @@ class JobStore:
         def op() -> bool:
             now = _utcnow()
             values: dict[str, Any] = {
-                "lease_expires_at": now + timedelta(seconds=lease.lease_s), "updated_at": now,
+                "lease_expires_at": now + timedelta(seconds=lease.lease_s),
+                "updated_at": now,
             }
             if progress is not None:
                 # never backwards: a commit may already have recorded a later chunk
@@ -373,7 +401,8 @@ class JobStore:
             with Session(self.engine) as s, s.begin():
                 # this UPDATE takes the job row lock first, serialising with claim/reaper
                 res = s.execute(
-                    update(JobRow).where(_fenced(lease))
+                    update(JobRow)
+                    .where(_fenced(lease))
                     .values(updated_at=now, lease_expires_at=now + timedelta(seconds=lease.lease_s))
                     .execution_options(synchronize_session=False)
                 )
@@ -406,13 +435,20 @@ class JobStore:
                 existing.committed_at = now
                 s.flush()
                 count, total_s = s.execute(
-                    select(func.count(), func.coalesce(func.sum(SegmentRow.duration_s), 0.0))
-                    .where(SegmentRow.job_id == lease.job_id)
+                    select(func.count(), func.coalesce(func.sum(SegmentRow.duration_s), 0.0)).where(
+                        SegmentRow.job_id == lease.job_id
+                    )
                 ).one()
                 s.execute(
-                    update(JobRow).where(JobRow.id == lease.job_id)
-                    .values(progress_chunks=count, progress_s=float(total_s),
-                            progress_frames=self._greatest(JobRow.progress_frames, seg.first_frame + seg.num_frames))
+                    update(JobRow)
+                    .where(JobRow.id == lease.job_id)
+                    .values(
+                        progress_chunks=count,
+                        progress_s=float(total_s),
+                        progress_frames=self._greatest(
+                            JobRow.progress_frames, seg.first_frame + seg.num_frames
+                        ),
+                    )
                     .execution_options(synchronize_session=False)
                 )
 
@@ -423,11 +459,20 @@ class JobStore:
 
         def op() -> builtins.list[SegmentRecord]:
             with Session(self.engine) as s:
-                rows = s.scalars(select(SegmentRow).where(SegmentRow.job_id == job_id).order_by(SegmentRow.idx))
+                rows = s.scalars(
+                    select(SegmentRow).where(SegmentRow.job_id == job_id).order_by(SegmentRow.idx)
+                )
                 return [
-                    SegmentRecord(index=r.idx, key=r.key, nbytes=r.nbytes, duration_s=r.duration_s,
-                                  checksum=r.checksum, state_key=r.state_key, first_frame=r.first_frame,
-                                  num_frames=r.num_frames)
+                    SegmentRecord(
+                        index=r.idx,
+                        key=r.key,
+                        nbytes=r.nbytes,
+                        duration_s=r.duration_s,
+                        checksum=r.checksum,
+                        state_key=r.state_key,
+                        first_frame=r.first_frame,
+                        num_frames=r.num_frames,
+                    )
                     for r in rows
                 ]
 
@@ -439,7 +484,8 @@ class JobStore:
             now = _utcnow()
             with self.engine.begin() as conn:
                 res = conn.execute(
-                    update(JobRow).where(_fenced(lease))
+                    update(JobRow)
+                    .where(_fenced(lease))
                     .values(status=status, finished_at=now, updated_at=now, lease_expires_at=None, **values)
                 )
                 if res.rowcount == 1:
@@ -459,14 +505,26 @@ class JobStore:
 
     def finish(self, lease: Lease, *, outputs: dict[str, str]) -> None:
         """Mark succeeded with the final output URIs (fenced)."""
-        self._end(lease, "succeeded", {"outputs": dict(outputs), "outputs_partial": False,
-                                       "error_code": None, "error_message": None}, "finish")
+        self._end(
+            lease,
+            "succeeded",
+            {"outputs": dict(outputs), "outputs_partial": False, "error_code": None, "error_message": None},
+            "finish",
+        )
 
     def mark_cancelled(self, lease: Lease, *, partial_outputs: dict[str, str]) -> None:
         """Mark cancelled; the outputs written so far are kept and flagged partial (fenced)."""
-        self._end(lease, "cancelled", {"outputs": dict(partial_outputs), "outputs_partial": True,
-                                       "error_code": "cancelled",
-                                       "error_message": "cancelled on request"}, "cancel")
+        self._end(
+            lease,
+            "cancelled",
+            {
+                "outputs": dict(partial_outputs),
+                "outputs_partial": True,
+                "error_code": "cancelled",
+                "error_message": "cancelled on request",
+            },
+            "cancel",
+        )
 
     def fail(self, job_id: str, *, code: str, message: str, lease: Lease | None = None) -> None:
         """Fail the job for good. With a lease the write is fenced (LeaseLostError); without one
@@ -490,23 +548,55 @@ class JobStore:
         self._retry(op, what=f"fail job {job_id}")
 
     def requeue(self, lease: Lease, *, code: str, message: str) -> bool:
-        """End this attempt after a retryable error: back to queued if attempts are left (True:
-        the caller publishes a new message), else failed with the error (False). Fenced."""
+        """End this attempt after a retryable error: back to queued if attempts are left and no
+        cancel is pending (True: the caller publishes a new message); else cancelled (cancel
+        pending) or failed with the error (False). Fenced."""
 
         def op() -> bool:
             now = _utcnow()
             with self.engine.begin() as conn:
                 res = conn.execute(
-                    update(JobRow).where(_fenced(lease), JobRow.attempts < JobRow.max_attempts)
-                    .values(status="queued", queued_at=now, updated_at=now, lease_owner=None,
-                            lease_expires_at=None, error_code=code[:64], error_message=message)
+                    update(JobRow)
+                    .where(
+                        _fenced(lease),
+                        JobRow.attempts < JobRow.max_attempts,
+                        JobRow.cancel_requested.is_(False),
+                    )
+                    .values(
+                        status="queued",
+                        queued_at=now,
+                        updated_at=now,
+                        lease_owner=None,
+                        lease_expires_at=None,
+                        error_code=code[:64],
+                        error_message=message,
+                    )
                 )
                 return bool(res.rowcount == 1)
 
         if self._retry(op, what=f"requeue job {lease.job_id}"):
             return True
-        self._end(lease, "failed", {"error_code": code[:64], "error_message":
-                                    f"{message} (attempt {lease.attempt}, no attempts left)"}, "fail")
+        if self.cancel_requested(lease.job_id):
+            self._end(
+                lease,
+                "cancelled",
+                {
+                    "outputs_partial": True,
+                    "error_code": "cancelled",
+                    "error_message": f"cancelled on request; last attempt: {message}",
+                },
+                "cancel",
+            )
+            return False
+        self._end(
+            lease,
+            "failed",
+            {
+                "error_code": code[:64],
+                "error_message": f"{message} (attempt {lease.attempt}, no attempts left)",
+            },
+            "fail",
+        )
         return False
 
     # ------------------------------------------------------------------ cancel
@@ -518,14 +608,22 @@ class JobStore:
             now = _utcnow()
             with self.engine.begin() as conn:
                 res = conn.execute(
-                    update(JobRow).where(JobRow.id == job_id, JobRow.tenant == tenant, JobRow.status == "queued")
-                    .values(status="cancelled", cancel_requested=True, finished_at=now, updated_at=now,
-                            error_code="cancelled", error_message="cancelled on request before it started")
+                    update(JobRow)
+                    .where(JobRow.id == job_id, JobRow.tenant == tenant, JobRow.status == "queued")
+                    .values(
+                        status="cancelled",
+                        cancel_requested=True,
+                        finished_at=now,
+                        updated_at=now,
+                        error_code="cancelled",
+                        error_message="cancelled on request before it started",
+                    )
                 )
                 if res.rowcount == 1:
                     return True
                 res = conn.execute(
-                    update(JobRow).where(JobRow.id == job_id, JobRow.tenant == tenant, JobRow.status == "running")
+                    update(JobRow)
+                    .where(JobRow.id == job_id, JobRow.tenant == tenant, JobRow.status == "running")
                     .values(cancel_requested=True, updated_at=now)
                 )
                 return bool(res.rowcount == 1)
@@ -573,32 +671,62 @@ class JobStore:
             t = now or _utcnow()
             with self.engine.connect() as conn:
                 expired = conn.execute(
-                    select(JobRow.id, JobRow.lease_token, JobRow.lease_owner, JobRow.attempts,
-                           JobRow.max_attempts, JobRow.cancel_requested, JobRow.lease_expires_at)
+                    select(
+                        JobRow.id,
+                        JobRow.lease_token,
+                        JobRow.lease_owner,
+                        JobRow.attempts,
+                        JobRow.max_attempts,
+                        JobRow.cancel_requested,
+                        JobRow.lease_expires_at,
+                    )
                     .where(JobRow.status == "running", JobRow.lease_expires_at < t)
-                    .order_by(JobRow.lease_expires_at).limit(limit)
+                    .order_by(JobRow.lease_expires_at)
+                    .limit(limit)
                 ).all()
             for job_id, token, owner, attempts, max_attempts, cancel, expired_at in expired:
-                guard = and_(JobRow.id == job_id, JobRow.lease_token == token, JobRow.status == "running",
-                             JobRow.lease_expires_at < t)
-                why = (f"worker {owner!r} stopped heartbeating (lease expired at "
-                       f"{_aware(expired_at):%Y-%m-%d %H:%M:%S} UTC) on attempt {attempts} of {max_attempts}")
+                guard = and_(
+                    JobRow.id == job_id,
+                    JobRow.lease_token == token,
+                    JobRow.status == "running",
+                    JobRow.lease_expires_at < t,
+                )
+                why = (
+                    f"worker {owner!r} stopped heartbeating (lease expired at "
+                    f"{_aware(expired_at):%Y-%m-%d %H:%M:%S} UTC) on attempt {attempts} of {max_attempts}"
+                )
                 if cancel:
-                    values: dict[str, Any] = {"status": "cancelled", "finished_at": t, "outputs_partial": True,
-                                              "error_code": "cancelled", "error_message": f"cancelled; {why}"}
+                    values: dict[str, Any] = {
+                        "status": "cancelled",
+                        "finished_at": t,
+                        "outputs_partial": True,
+                        "error_code": "cancelled",
+                        "error_message": f"cancelled; {why}",
+                    }
                 elif attempts >= max_attempts:
-                    values = {"status": "failed", "finished_at": t, "error_code": "lease_expired",
-                              "error_message": f"{why}; no attempts left. Check that worker's logs "
-                              "(crash, OOM kill, lost node) and resubmit"}
+                    values = {
+                        "status": "failed",
+                        "finished_at": t,
+                        "error_code": "lease_expired",
+                        "error_message": f"{why}; no attempts left. Check that worker's logs "
+                        "(crash, OOM kill, lost node) and resubmit",
+                    }
                 else:
-                    values = {"status": "queued", "queued_at": t, "lease_owner": None,
-                              "error_code": "lease_expired", "error_message": f"{why}; requeued"}
+                    values = {
+                        "status": "queued",
+                        "queued_at": t,
+                        "lease_owner": None,
+                        "error_code": "lease_expired",
+                        "error_message": f"{why}; requeued",
+                    }
                 with self.engine.begin() as conn:
-                    res = conn.execute(update(JobRow).where(guard).values(
-                        lease_expires_at=None, updated_at=t, **values))
+                    res = conn.execute(
+                        update(JobRow).where(guard).values(lease_expires_at=None, updated_at=t, **values)
+                    )
                 if res.rowcount == 1:
-                    log.warning("reaper: job %s %s: %s", job_id, values["status"], why,
-                                extra={"job_id": job_id})
+                    log.warning(
+                        "reaper: job %s %s: %s", job_id, values["status"], why, extra={"job_id": job_id}
+                    )
                     if values["status"] == "queued":
                         requeued.append(job_id)
             return requeued

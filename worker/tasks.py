@@ -38,7 +38,7 @@ from urllib.parse import unquote, urlsplit
 from celery import Celery
 
 from pipeline.errors import InvalidInputError
-from pipeline.media_types import Fragment, FrameSink
+from pipeline.media_types import Fragment, FrameSink, InitSegment
 from worker import metrics
 from worker.db import DbRetry, make_engine
 from worker.logging import job_context, set_chunk
@@ -66,27 +66,80 @@ class JobDelivery(Protocol):
 DeliveryFactory = Callable[..., JobDelivery]
 
 
+class _BestEffortSink:
+    """Wraps a preview sink (KVS) so that its failure costs the preview, not the job: the first
+    error is logged and the wrapped sink is dropped for the rest of the attempt."""
+
+    def __init__(self, sink: FrameSink, what: str) -> None:
+        self._sink: FrameSink | None = sink
+        self._what = what
+
+    def _call(self, fn: Callable[[FrameSink], None]) -> None:
+        if self._sink is None:
+            return
+        try:
+            fn(self._sink)
+        except Exception as exc:
+            log.warning("%s failed and is switched off for this attempt: %s", self._what, exc)
+            sink, self._sink = self._sink, None
+            try:
+                sink.close(ok=False)
+            except Exception as close_exc:
+                log.warning("%s: close after failure failed too: %s", self._what, close_exc)
+
+    def open(self, init: InitSegment) -> None:
+        self._call(lambda s: s.open(init))
+
+    def write(self, fragment: Fragment) -> None:
+        self._call(lambda s: s.write(fragment))
+
+    def close(self, *, ok: bool) -> None:
+        self._call(lambda s: s.close(ok=ok))
+        self._sink = None
+
+
 class _S3Delivery:
     """Adapter from :class:`worker.delivery.S3ProgressiveSink` to :class:`JobDelivery`."""
 
-    def __init__(self, settings: Settings, *, tenant: str, job_id: str, spec: JobSpec,
-                 committed: Sequence[SegmentRecord], on_commit: Callable[[SegmentFields], None]) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        tenant: str,
+        job_id: str,
+        spec: JobSpec,
+        committed: Sequence[SegmentRecord],
+        on_commit: Callable[[SegmentFields], None],
+    ) -> None:
         from worker.delivery import CommittedSegment, S3ProgressiveSink
         from worker.storage import job_prefix, open_object_store
 
         self.store = open_object_store(settings.object_store_url, endpoint_url=settings.s3_endpoint_url)
         self.prefix = job_prefix(tenant, job_id)
         self.sink = S3ProgressiveSink(
-            self.store, self.prefix, committed=[CommittedSegment(**asdict(s)) for s in committed],
-            on_commit=on_commit, preview=spec.preview.hls,
+            self.store,
+            self.prefix,
+            committed=[CommittedSegment(**asdict(s)) for s in committed],
+            on_commit=on_commit,
+            preview=spec.preview.hls,
         )
         self.sinks: Sequence[FrameSink] = [self.sink]
+        if spec.preview.kvs is not None:
+            from worker.kvs.putmedia import PutMediaClient
+            from worker.kvs_sink import KVSPreviewSink
+
+            client = PutMediaClient(
+                spec.preview.kvs.stream_name,
+                region=spec.preview.kvs.region,
+                endpoint_url=settings.kvs_endpoint_url,
+            )
+            self.sinks = [self.sink, _BestEffortSink(KVSPreviewSink(client), "kvs preview")]
 
     def outputs(self) -> dict[str, str]:
         return self.sink.outputs()
 
     def partial_outputs(self) -> dict[str, str]:
-        out = {"segments": self.store.uri(self.prefix)}
+        out = {"segments": self.store.uri(self.prefix.rstrip("/")) + "/"}
         if self.sink.preview:
             out["hls"] = self.store.uri(self.sink.playlist_key)
         return out
@@ -98,10 +151,19 @@ class _S3Delivery:
         self.sink.abandon()
 
 
-def s3_delivery(settings: Settings, *, tenant: str, job_id: str, spec: JobSpec,
-                committed: Sequence[SegmentRecord], on_commit: Callable[[SegmentFields], None]) -> JobDelivery:
+def s3_delivery(
+    settings: Settings,
+    *,
+    tenant: str,
+    job_id: str,
+    spec: JobSpec,
+    committed: Sequence[SegmentRecord],
+    on_commit: Callable[[SegmentFields], None],
+) -> JobDelivery:
     """The production delivery: preview segments + HLS + one final MP4 in ``object_store_url``."""
-    return _S3Delivery(settings, tenant=tenant, job_id=job_id, spec=spec, committed=committed, on_commit=on_commit)
+    return _S3Delivery(
+        settings, tenant=tenant, job_id=job_id, spec=spec, committed=committed, on_commit=on_commit
+    )
 
 
 def _load(entry: str) -> Any:
@@ -176,8 +238,11 @@ class JobWorker:
         self.settings = settings
         self.celery = celery
         self.engine = make_engine(settings.database_url, pool_size=2)
-        self.store = JobStore(self.engine, max_attempts=settings.max_attempts,
-                              retry=DbRetry(settings.db_retry_attempts, settings.db_retry_max_wait_s))
+        self.store = JobStore(
+            self.engine,
+            max_attempts=settings.max_attempts,
+            retry=DbRetry(settings.db_retry_attempts, settings.db_retry_max_wait_s),
+        )
         self.owner = settings.worker_name or f"{socket.gethostname()}:{os.getpid()}"
         self.delivery_factory: DeliveryFactory = _load(settings.delivery_factory)
 
@@ -197,7 +262,9 @@ class JobWorker:
         with job_context(job_id):
             lease = self.store.claim(job_id, owner=self.owner, lease_s=self.settings.lease_s)
             if lease is None:
-                log.info("job not claimable (running elsewhere, ended, cancelled or out of attempts); skipping")
+                log.info(
+                    "job not claimable (running elsewhere, ended, cancelled or out of attempts); skipping"
+                )
                 metrics.ATTEMPTS.labels("skipped").inc()
                 return "skipped"
             metrics.BUSY.set(1)
@@ -210,8 +277,13 @@ class JobWorker:
                 # a bug or an outage in this worker, not in the render: give the attempt back now
                 # instead of leaving the lease to expire
                 log.exception("attempt %d broke in the worker", lease.attempt)
-                outcome = self._retry_or_fail(lease, None, code="worker_error", retryable=True,
-                                              message=f"worker {self.owner} failed: {type(exc).__name__}: {exc}")
+                outcome = self._retry_or_fail(
+                    lease,
+                    None,
+                    code="worker_error",
+                    retryable=True,
+                    message=f"worker {self.owner} failed: {type(exc).__name__}: {exc}",
+                )
             finally:
                 metrics.BUSY.set(0)
             metrics.ATTEMPTS.labels(outcome).inc()
@@ -237,8 +309,14 @@ class JobWorker:
 
         try:
             committed = self.store.segments(lease.job_id)
-            delivery = self.delivery_factory(self.settings, tenant=rec.tenant, job_id=rec.id, spec=rec.spec,
-                                             committed=committed, on_commit=on_commit)
+            delivery = self.delivery_factory(
+                self.settings,
+                tenant=rec.tenant,
+                job_id=rec.id,
+                spec=rec.spec,
+                committed=committed,
+                on_commit=on_commit,
+            )
             image = self._fetch(rec, rec.spec.image, "image", workdir)
             audio = self._fetch(rec, rec.spec.audio, "audio", workdir)
             resume_state = self._resume_state(committed, delivery)
@@ -246,9 +324,13 @@ class JobWorker:
             self.store.fail(lease.job_id, lease=lease, code=exc.code, message=str(exc))
             return "failed"
         except Exception as exc:  # storage outage while preparing: retry the attempt later
-            return self._retry_or_fail(lease, None, code=str(getattr(exc, "code", "prepare_failed")),
-                                       message=f"preparing the render failed: {exc}",
-                                       retryable=bool(getattr(exc, "retryable", True)))
+            return self._retry_or_fail(
+                lease,
+                None,
+                code=str(getattr(exc, "code", "prepare_failed")),
+                message=f"preparing the render failed: {exc}",
+                retryable=bool(getattr(exc, "retryable", True)),
+            )
         if committed:
             log.info("resuming after committed segment %d", committed[-1].index)
         try:
@@ -259,8 +341,15 @@ class JobWorker:
             outcome = RenderOutcome(status="stopped", code="lease_lost", message="lease lost during a commit")
         return self._end(lease, delivery, outcome)
 
-    def _render(self, lease: Lease, rec: JobRecord, delivery: JobDelivery, image: Path, audio: Path,
-                resume_state: bytes | None) -> RenderOutcome:
+    def _render(
+        self,
+        lease: Lease,
+        rec: JobRecord,
+        delivery: JobDelivery,
+        image: Path,
+        audio: Path,
+        resume_state: bytes | None,
+    ) -> RenderOutcome:
         s = self.settings
         keeper = LeaseKeeper(self.store, lease, heartbeat_s=s.heartbeat_s, cancel_poll_s=s.cancel_poll_s)
         claimed_at = time.monotonic()
@@ -277,17 +366,37 @@ class JobWorker:
             last_chunk_at[0] = now
 
         def on_progress(p: dict[str, Any]) -> None:
-            keeper.report(Progress(chunks_done=int(p.get("emission_index", -1)) + 1,
-                                   num_chunks=p.get("num_emissions"), frames_done=int(p.get("frames_done", 0)),
-                                   num_frames=p.get("num_frames")))
+            keeper.report(
+                Progress(
+                    chunks_done=int(p.get("emission_index", -1)) + 1,
+                    num_chunks=p.get("num_emissions"),
+                    frames_done=int(p.get("frames_done", 0)),
+                    num_frames=p.get("num_frames"),
+                )
+            )
 
         job = RenderJob(
-            job_id=rec.id, entry=s.render_entry, image=str(image), audio=str(audio), text=rec.spec.text,
-            seed=rec.spec.seed, preset=rec.spec.preset, checkpoint=str(s.checkpoint) if s.checkpoint else None,
-            resume_state=resume_state, log_level=s.log_level, log_json=s.log_json,
+            job_id=rec.id,
+            entry=s.render_entry,
+            image=str(image),
+            audio=str(audio),
+            text=rec.spec.text,
+            seed=rec.spec.seed,
+            preset=rec.spec.preset,
+            checkpoint=str(s.checkpoint) if s.checkpoint else None,
+            resume_state=resume_state,
+            log_level=s.log_level,
+            log_json=s.log_json,
         )
-        runner = RenderRunner(job, delivery.sinks, stop_reason=keeper.stop_reason, on_progress=on_progress,
-                              on_fragment=on_fragment, cancel_grace_s=s.cancel_grace_s, kill_grace_s=s.kill_grace_s)
+        runner = RenderRunner(
+            job,
+            delivery.sinks,
+            stop_reason=keeper.stop_reason,
+            on_progress=on_progress,
+            on_fragment=on_fragment,
+            cancel_grace_s=s.cancel_grace_s,
+            kill_grace_s=s.kill_grace_s,
+        )
         keeper.start()
         try:
             outcome = runner.run()
@@ -310,11 +419,17 @@ class JobWorker:
             delivery.abandon()
             self.store.mark_cancelled(lease, partial_outputs=delivery.partial_outputs())
             return "cancelled"
-        return self._retry_or_fail(lease, delivery, code=outcome.code or "render_failed",
-                                   message=outcome.message or "render failed", retryable=outcome.retryable)
+        return self._retry_or_fail(
+            lease,
+            delivery,
+            code=outcome.code or "render_failed",
+            message=outcome.message or "render failed",
+            retryable=outcome.retryable,
+        )
 
-    def _retry_or_fail(self, lease: Lease, delivery: JobDelivery | None, *, code: str, message: str,
-                       retryable: bool) -> str:
+    def _retry_or_fail(
+        self, lease: Lease, delivery: JobDelivery | None, *, code: str, message: str, retryable: bool
+    ) -> str:
         log.error("attempt %d failed: %s: %s (retryable=%s)", lease.attempt, code, message, retryable)
         if retryable and self.store.requeue(lease, code=code, message=message):
             self._publish(lease.job_id)
@@ -332,8 +447,12 @@ class JobWorker:
             log.warning("no Celery app: requeued job %s waits for the next message", job_id)
             return
         rec = self.store.get(job_id)
-        enqueue_render(self.celery, job_id, queue=self.settings.queue_name,
-                       priority=rec.priority if rec is not None else 5)
+        enqueue_render(
+            self.celery,
+            job_id,
+            queue=self.settings.queue_name,
+            priority=rec.priority if rec is not None else 5,
+        )
 
     # ------------------------------------------------------------------------------ inputs
     def _resume_state(self, committed: Sequence[SegmentRecord], delivery: JobDelivery) -> bytes | None:
@@ -364,7 +483,9 @@ class JobWorker:
             store = open_object_store(f"s3://{parts.netloc}", endpoint_url=self.settings.s3_endpoint_url)
             key = unquote(parts.path).lstrip("/")
         else:  # upload://<id>, stored by the API under the tenant
-            store = open_object_store(self.settings.object_store_url, endpoint_url=self.settings.s3_endpoint_url)
+            store = open_object_store(
+                self.settings.object_store_url, endpoint_url=self.settings.s3_endpoint_url
+            )
             key = f"tenants/{rec.tenant}/uploads/{parts.netloc}"
         dest = workdir / f"{field}{Path(key).suffix}"
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -379,7 +500,8 @@ def register_tasks(celery: Celery) -> None:
     """Register ``longtake.render_job`` on ``celery`` (its conf carries ``longtake_settings``)."""
     from worker.celery_app import RENDER_TASK_NAME
 
-    @celery.task(name=RENDER_TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True,
-                 ignore_result=True)
+    @celery.task(
+        name=RENDER_TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True
+    )
     def render_job(self: Any, job_id: str) -> str:
         return JobWorker.for_process(celery.conf.longtake_settings, celery).run(job_id)

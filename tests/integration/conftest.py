@@ -66,7 +66,9 @@ def jobs_env(tmp_path: Path, pg_url: str) -> Iterator[JobsEnv]:
     env = make_env(tmp_path, pg_url, REDIS_URL)
     settings = settings_from_env(env)
     engine = make_engine(pg_url)
-    je = JobsEnv(tmp=tmp_path, settings=settings, env=env, store=JobStore(engine, max_attempts=settings.max_attempts))
+    je = JobsEnv(
+        tmp=tmp_path, settings=settings, env=env, store=JobStore(engine, max_attempts=settings.max_attempts)
+    )
     try:
         yield je
     finally:

@@ -64,17 +64,33 @@ class RenderResult:
     stage_s: dict[str, float] = field(default_factory=dict)
 
 
-def write_plan(path: Path, *, num_fragments: int, sleep_s: float, fail_at: int | None = None,
-               fail_code: str | None = None) -> Path:
+def write_plan(
+    path: Path,
+    *,
+    num_fragments: int,
+    sleep_s: float,
+    fail_at: int | None = None,
+    fail_code: str | None = None,
+) -> Path:
     """Write the JSON 'audio' file that drives the fake render."""
-    path.write_text(json.dumps({"num_fragments": num_fragments, "sleep_s": sleep_s, "fail_at": fail_at,
-                                "fail_code": fail_code}))
+    path.write_text(
+        json.dumps(
+            {"num_fragments": num_fragments, "sleep_s": sleep_s, "fail_at": fail_at, "fail_code": fail_code}
+        )
+    )
     return path
 
 
 def init_segment(seed: int) -> InitSegment:
-    return InitSegment(data=b"FAKEINIT" + seed.to_bytes(8, "big") * 8, width=64, height=64, fps=FPS,
-                       sample_rate=16000, video_codec="avc1.64001e", audio_codec="mp4a.40.2")
+    return InitSegment(
+        data=b"FAKEINIT" + seed.to_bytes(8, "big") * 8,
+        width=64,
+        height=64,
+        fps=FPS,
+        sample_rate=16000,
+        video_codec="avc1.64001e",
+        audio_codec="mp4a.40.2",
+    )
 
 
 def _start_state(seed: int) -> bytes:
@@ -86,10 +102,16 @@ def _fragment(seed: int, index: int, acc: bytes, num_fragments: int) -> tuple[Fr
     data = (block * (FRAGMENT_BYTES // len(block) + 1))[:FRAGMENT_BYTES]
     acc = hashlib.sha256(acc + data).digest()
     state = json.dumps({"seed": seed, "next": index + 1, "acc": acc.hex()}).encode()
-    frag = Fragment(index=index, data=data, first_frame=index * FRAMES_PER_FRAGMENT,
-                    num_frames=FRAMES_PER_FRAGMENT, start_s=index * FRAMES_PER_FRAGMENT / FPS,
-                    duration_s=FRAMES_PER_FRAGMENT / FPS, is_last=index == num_fragments - 1,
-                    resume_state=state)
+    frag = Fragment(
+        index=index,
+        data=data,
+        first_frame=index * FRAMES_PER_FRAGMENT,
+        num_frames=FRAMES_PER_FRAGMENT,
+        start_s=index * FRAMES_PER_FRAGMENT / FPS,
+        duration_s=FRAMES_PER_FRAGMENT / FPS,
+        is_last=index == num_fragments - 1,
+        resume_state=state,
+    )
     return frag, acc
 
 
@@ -113,9 +135,15 @@ def _count(seed: int, index: int) -> None:
             os.close(fd)
 
 
-def render(request: RenderRequest, sinks: Sequence[FrameSink], *, mode: str = "streaming",
-           resume_state: bytes | None = None, should_cancel: Callable[[], bool] | None = None,
-           on_progress: Callable[[RenderProgress], None] | None = None) -> RenderResult:
+def render(
+    request: RenderRequest,
+    sinks: Sequence[FrameSink],
+    *,
+    mode: str = "streaming",
+    resume_state: bytes | None = None,
+    should_cancel: Callable[[], bool] | None = None,
+    on_progress: Callable[[RenderProgress], None] | None = None,
+) -> RenderResult:
     t0 = time.monotonic()
     if not Path(request.image).is_file():
         raise InvalidInputError(f"image: {request.image} does not exist", field="image")
@@ -126,7 +154,9 @@ def render(request: RenderRequest, sinks: Sequence[FrameSink], *, mode: str = "s
     if resume_state is not None:
         st = json.loads(resume_state)
         if st["seed"] != seed:
-            raise InvalidInputError(f"resume_state is for seed {st['seed']}, not {seed}", field="resume_state")
+            raise InvalidInputError(
+                f"resume_state is for seed {st['seed']}, not {seed}", field="resume_state"
+            )
         start, acc = int(st["next"]), bytes.fromhex(st["acc"])
     for s in sinks:
         s.open(init_segment(seed))
@@ -138,8 +168,11 @@ def render(request: RenderRequest, sinks: Sequence[FrameSink], *, mode: str = "s
             time.sleep(sleep_s)
             if plan.get("fail_at") == i:
                 code = plan.get("fail_code") or "invalid_input"
-                err: RenderError = OutOfMemoryError("fake OOM") if code == "out_of_memory" else \
-                    InvalidInputError(f"fake bad input at fragment {i}", field="audio")
+                err: RenderError = (
+                    OutOfMemoryError("fake OOM")
+                    if code == "out_of_memory"
+                    else InvalidInputError(f"fake bad input at fragment {i}", field="audio")
+                )
                 raise err
             frag, acc = _fragment(seed, i, acc, n)
             _count(seed, i)
@@ -148,17 +181,28 @@ def render(request: RenderRequest, sinks: Sequence[FrameSink], *, mode: str = "s
             if not ttff:
                 ttff = time.monotonic() - t0
             if on_progress is not None:
-                on_progress(RenderProgress(emission_index=i, num_emissions=n,
-                                           frames_done=(i + 1) * FRAMES_PER_FRAGMENT,
-                                           num_frames=n * FRAMES_PER_FRAGMENT, elapsed_s=time.monotonic() - t0))
+                on_progress(
+                    RenderProgress(
+                        emission_index=i,
+                        num_emissions=n,
+                        frames_done=(i + 1) * FRAMES_PER_FRAGMENT,
+                        num_frames=n * FRAMES_PER_FRAGMENT,
+                        elapsed_s=time.monotonic() - t0,
+                    )
+                )
     except BaseException:
         for s in sinks:
             s.close(ok=False)
         raise
     for s in sinks:
         s.close(ok=True)
-    return RenderResult(num_frames=n * FRAMES_PER_FRAGMENT, duration_s=n * FRAMES_PER_FRAGMENT / FPS,
-                        ttff_s=ttff, wall_s=time.monotonic() - t0, peak_rss_bytes=0)
+    return RenderResult(
+        num_frames=n * FRAMES_PER_FRAGMENT,
+        duration_s=n * FRAMES_PER_FRAGMENT / FPS,
+        ttff_s=ttff,
+        wall_s=time.monotonic() - t0,
+        peak_rss_bytes=0,
+    )
 
 
 # ------------------------------------------------------------------------------------------ delivery
@@ -175,7 +219,9 @@ class _Committed:
 
 
 class _LocalSink:
-    def __init__(self, root: Path, prefix: str, committed: Sequence[Any], on_commit: Callable[[Any], None]) -> None:
+    def __init__(
+        self, root: Path, prefix: str, committed: Sequence[Any], on_commit: Callable[[Any], None]
+    ) -> None:
         self.root, self.prefix = root, prefix
         self.committed = list(committed)
         self.on_commit = on_commit
@@ -197,10 +243,16 @@ class _LocalSink:
         seg, state = f"seg_{fragment.index:05d}.m4s", f"state_{fragment.index:05d}.bin"
         self._path(seg).write_bytes(fragment.data)
         self._path(state).write_bytes(fragment.resume_state or b"")
-        c = _Committed(index=fragment.index, key=self.prefix + seg, nbytes=len(fragment.data),
-                       duration_s=fragment.duration_s, checksum=hashlib.sha256(fragment.data).hexdigest(),
-                       state_key=self.prefix + state, first_frame=fragment.first_frame,
-                       num_frames=fragment.num_frames)
+        c = _Committed(
+            index=fragment.index,
+            key=self.prefix + seg,
+            nbytes=len(fragment.data),
+            duration_s=fragment.duration_s,
+            checksum=hashlib.sha256(fragment.data).hexdigest(),
+            state_key=self.prefix + state,
+            first_frame=fragment.first_frame,
+            num_frames=fragment.num_frames,
+        )
         self.on_commit(c)
         self.committed.append(c)
 
@@ -213,8 +265,16 @@ class _LocalSink:
 class LocalDelivery:
     """``JobDelivery`` on a local directory (``object_store_url`` must be ``file:///abs/dir``)."""
 
-    def __init__(self, settings: Any, *, tenant: str, job_id: str, spec: Any, committed: Sequence[Any],
-                 on_commit: Callable[[Any], None]) -> None:
+    def __init__(
+        self,
+        settings: Any,
+        *,
+        tenant: str,
+        job_id: str,
+        spec: Any,
+        committed: Sequence[Any],
+        on_commit: Callable[[Any], None],
+    ) -> None:
         self.root = Path(urlsplit(settings.object_store_url).path)
         self.prefix = f"tenants/{tenant}/jobs/{job_id}/"
         self.sink = _LocalSink(self.root, self.prefix, committed, on_commit)

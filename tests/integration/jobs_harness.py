@@ -36,7 +36,8 @@ from worker.spec import JobSpec, spec_context  # noqa: E402
 from worker.store import JobRecord, JobStore  # noqa: E402
 
 DELIVERY = (
-    "worker.tasks:s3_delivery" if importlib.util.find_spec("worker.delivery") is not None
+    "worker.tasks:s3_delivery"
+    if importlib.util.find_spec("worker.delivery") is not None
     else "fake_pipeline:local_delivery"
 )
 
@@ -93,10 +94,31 @@ class CeleryWorker:
         env = {**self.env, "LONGTAKE_WORKER_NAME": self.name}
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker", f"--pool={self.pool}", "-c", "1",
-             "-Q", env["LONGTAKE_QUEUE_NAME"], "-n", f"{self.name}@%h", "--without-gossip", "--without-mingle",
-             "--without-heartbeat", "-l", "INFO"],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "worker.celery_app",
+                "worker",
+                f"--pool={self.pool}",
+                "-c",
+                "1",
+                "-Q",
+                env["LONGTAKE_QUEUE_NAME"],
+                "-n",
+                f"{self.name}@%h",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+                "-l",
+                "INFO",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         log.close()
         deadline = time.monotonic() + timeout
@@ -106,7 +128,9 @@ class CeleryWorker:
             if b" ready." in self.log_path.read_bytes():
                 return self
             time.sleep(0.2)
-        raise TimeoutError(f"worker {self.name} not ready after {timeout}s:\n{self.log_path.read_text()[-4000:]}")
+        raise TimeoutError(
+            f"worker {self.name} not ready after {timeout}s:\n{self.log_path.read_text()[-4000:]}"
+        )
 
     @property
     def pid(self) -> int:
@@ -165,10 +189,24 @@ class JobsEnv:
         self.workers.append(w)
         return w
 
-    def submit(self, *, seed: int, num_fragments: int, sleep_s: float, publish: bool = True,
-               fail_at: int | None = None, fail_code: str | None = None, tenant: str = "t1") -> str:
-        plan = fake_pipeline.write_plan(self.tmp / "in" / f"plan-{seed}.json", num_fragments=num_fragments,
-                                        sleep_s=sleep_s, fail_at=fail_at, fail_code=fail_code)
+    def submit(
+        self,
+        *,
+        seed: int,
+        num_fragments: int,
+        sleep_s: float,
+        publish: bool = True,
+        fail_at: int | None = None,
+        fail_code: str | None = None,
+        tenant: str = "t1",
+    ) -> str:
+        plan = fake_pipeline.write_plan(
+            self.tmp / "in" / f"plan-{seed}.json",
+            num_fragments=num_fragments,
+            sleep_s=sleep_s,
+            fail_at=fail_at,
+            fail_code=fail_code,
+        )
         spec = JobSpec.model_validate(
             {"image": f"file://{self.tmp}/in/face.png", "audio": f"file://{plan}", "seed": seed},
             context=spec_context(self.settings.file_root),
@@ -187,15 +225,22 @@ class JobsEnv:
             self._celery = create_celery_app(self.settings)
         return self._celery
 
-    def wait(self, job_ids: list[str], *, timeout: float, statuses: tuple[str, ...] = ("succeeded", "failed",
-                                                                                         "cancelled")) -> list[JobRecord]:
+    def wait(
+        self,
+        job_ids: list[str],
+        *,
+        timeout: float,
+        statuses: tuple[str, ...] = ("succeeded", "failed", "cancelled"),
+    ) -> list[JobRecord]:
         deadline = time.monotonic() + timeout
         while True:
             recs = [self.store.get(j) for j in job_ids]
             if all(r is not None and r.status in statuses for r in recs):
                 return recs  # type: ignore[return-value]
             if time.monotonic() > deadline:
-                pending = [(r.id[:8], r.status, r.chunks_done) for r in recs if r and r.status not in statuses]
+                pending = [
+                    (r.id[:8], r.status, r.chunks_done) for r in recs if r and r.status not in statuses
+                ]
                 logs = "\n".join(f"--- {w.name}\n{w.log_path.read_text()[-3000:]}" for w in self.workers)
                 raise TimeoutError(f"jobs not done after {timeout}s: {pending}\n{logs}")
             time.sleep(0.1)
@@ -213,39 +258,43 @@ class JobsEnv:
         """(seed, fragment index) -> times the fake render produced it."""
         if not self.render_log.exists():
             return Counter()
-        return Counter((int(a), int(b)) for a, b, _ in (ln.split() for ln in self.render_log.read_text().split("\n")
-                                                         if ln.strip()))
+        return Counter(
+            (int(a), int(b))
+            for a, b, _ in (ln.split() for ln in self.render_log.read_text().split("\n") if ln.strip())
+        )
 
     def final_bytes(self, rec: JobRecord) -> bytes:
         uri = rec.outputs["mp4"]
         assert uri.startswith("file://"), uri
-        return Path(uri[len("file://"):]).read_bytes()
+        return Path(uri[len("file://") :]).read_bytes()
 
 
 def make_env(tmp: Path, database_url: str, broker_url: str, **overrides: str) -> dict[str, str]:
     (tmp / "in").mkdir(parents=True, exist_ok=True)
     (tmp / "in" / "face.png").write_bytes(b"not really a png")
     env = {k: v for k, v in os.environ.items() if not k.startswith("LONGTAKE_")}
-    env.update({
-        "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)]),
-        "LONGTAKE_DATABASE_URL": database_url,
-        "LONGTAKE_BROKER_URL": broker_url,
-        "LONGTAKE_OBJECT_STORE_URL": f"file://{tmp}/objects",
-        "LONGTAKE_FILE_ROOT": str(tmp / "in"),
-        "LONGTAKE_WORK_DIR": str(tmp / "work"),
-        "LONGTAKE_RENDER_ENTRY": "fake_pipeline:render",
-        "LONGTAKE_DELIVERY_FACTORY": DELIVERY,
-        "LONGTAKE_QUEUE_NAME": "longtake-test",
-        "LONGTAKE_LEASE_S": "3",
-        "LONGTAKE_HEARTBEAT_S": "0.5",
-        "LONGTAKE_REAPER_INTERVAL_S": "0.5",
-        "LONGTAKE_CANCEL_POLL_S": "0.1",
-        "LONGTAKE_CANCEL_GRACE_S": "3",
-        "LONGTAKE_KILL_GRACE_S": "2",
-        "LONGTAKE_MAX_ATTEMPTS": "3",
-        "LONGTAKE_LOG_LEVEL": "INFO",
-        "LONGTAKE_FAKE_RENDER_LOG": str(tmp / "renders.log"),
-    })
+    env.update(
+        {
+            "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)]),
+            "LONGTAKE_DATABASE_URL": database_url,
+            "LONGTAKE_BROKER_URL": broker_url,
+            "LONGTAKE_OBJECT_STORE_URL": f"file://{tmp}/objects",
+            "LONGTAKE_FILE_ROOT": str(tmp / "in"),
+            "LONGTAKE_WORK_DIR": str(tmp / "work"),
+            "LONGTAKE_RENDER_ENTRY": "fake_pipeline:render",
+            "LONGTAKE_DELIVERY_FACTORY": DELIVERY,
+            "LONGTAKE_QUEUE_NAME": "longtake-test",
+            "LONGTAKE_LEASE_S": "3",
+            "LONGTAKE_HEARTBEAT_S": "0.5",
+            "LONGTAKE_REAPER_INTERVAL_S": "0.5",
+            "LONGTAKE_CANCEL_POLL_S": "0.1",
+            "LONGTAKE_CANCEL_GRACE_S": "3",
+            "LONGTAKE_KILL_GRACE_S": "2",
+            "LONGTAKE_MAX_ATTEMPTS": "3",
+            "LONGTAKE_LOG_LEVEL": "INFO",
+            "LONGTAKE_FAKE_RENDER_LOG": str(tmp / "renders.log"),
+        }
+    )
     env.update({f"LONGTAKE_{k.upper()}": v for k, v in overrides.items()})
     return env
 
@@ -261,5 +310,3 @@ def settings_from_env(env: dict[str, str]) -> Settings:
         for k in [k for k in os.environ if k.startswith("LONGTAKE_")]:
             del os.environ[k]
         os.environ.update(saved)
-
-

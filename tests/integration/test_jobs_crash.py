@@ -48,8 +48,9 @@ def test_fifty_jobs_two_workers_each_rendered_once(jobs_env: JobsEnv) -> None:
     jobs = [jobs_env.submit(seed=1000 + i, num_fragments=n, sleep_s=0.02) for i in range(50)]
     recs = jobs_env.wait(jobs, timeout=400)
     took = time.monotonic() - t0
-    assert all(r.status == "succeeded" for r in recs), [(r.id, r.status, r.error_message) for r in recs
-                                                        if r.status != "succeeded"]
+    assert all(r.status == "succeeded" for r in recs), [
+        (r.id, r.status, r.error_message) for r in recs if r.status != "succeeded"
+    ]
     assert all(r.attempts == 1 for r in recs)
     renders = jobs_env.renders()
     assert len(renders) == 50 * n and set(renders.values()) == {1}  # every fragment rendered once

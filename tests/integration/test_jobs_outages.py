@@ -38,9 +38,23 @@ class PrivateRedis:
         if exe is None:
             pytest.skip("redis-server is not installed")
         self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir), "--save", "",
-             "--appendonly", "yes", "--protected-mode", "no"],
-            stdout=open(self.dir / "redis.log", "ab"), stderr=subprocess.STDOUT,
+            [
+                exe,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.dir),
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--protected-mode",
+                "no",
+            ],
+            stdout=open(self.dir / "redis.log", "ab"),
+            stderr=subprocess.STDOUT,
         )
         import redis
 
@@ -79,12 +93,39 @@ class PrivatePostgres:
             self.as_postgres = [runuser, "-u", "postgres", "--"]
 
     def _ctl(self, *args: str) -> None:
-        subprocess.run([*self.as_postgres, str(self.bin / "pg_ctl"), "-D", str(self.dir / "data"), "-w", "-t", "60",
-                        "-l", str(self.dir / "pg.log"), *args], check=True, capture_output=True)
+        subprocess.run(
+            [
+                *self.as_postgres,
+                str(self.bin / "pg_ctl"),
+                "-D",
+                str(self.dir / "data"),
+                "-w",
+                "-t",
+                "60",
+                "-l",
+                str(self.dir / "pg.log"),
+                *args,
+            ],
+            check=True,
+            capture_output=True,
+        )
 
     def start(self) -> None:
-        subprocess.run([*self.as_postgres, str(self.bin / "initdb"), "-D", str(self.dir / "data"), "-A", "trust",
-                        "-U", "postgres", "--no-sync"], check=True, capture_output=True)
+        subprocess.run(
+            [
+                *self.as_postgres,
+                str(self.bin / "initdb"),
+                "-D",
+                str(self.dir / "data"),
+                "-A",
+                "trust",
+                "-U",
+                "postgres",
+                "--no-sync",
+            ],
+            check=True,
+            capture_output=True,
+        )
         opts = f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off"
         self._ctl("-o", opts, "start")
 
@@ -119,8 +160,12 @@ def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
 def _env(tmp: Path, db_url: str, broker_url: str) -> JobsEnv:
     env = make_env(tmp, db_url, broker_url)
     settings = settings_from_env(env)
-    return JobsEnv(tmp=tmp, settings=settings, env=env,
-                   store=JobStore(make_engine(db_url), max_attempts=settings.max_attempts))
+    return JobsEnv(
+        tmp=tmp,
+        settings=settings,
+        env=env,
+        store=JobStore(make_engine(db_url), max_attempts=settings.max_attempts),
+    )
 
 
 def test_redis_restart_mid_render(tmp_path: Path, pg_url: str, private_redis: PrivateRedis) -> None:

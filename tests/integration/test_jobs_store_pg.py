@@ -18,8 +18,16 @@ SPEC = JobSpec.model_validate({"image": "s3://bucket-a/face.png", "audio": "s3:/
 
 
 def _seg(i: int) -> SegmentRecord:
-    return SegmentRecord(index=i, key=f"k/{i}", nbytes=10, duration_s=0.4, checksum=f"{i:064x}",
-                         state_key=f"s/{i}", first_frame=10 * i, num_frames=10)
+    return SegmentRecord(
+        index=i,
+        key=f"k/{i}",
+        nbytes=10,
+        duration_s=0.4,
+        checksum=f"{i:064x}",
+        state_key=f"s/{i}",
+        first_frame=10 * i,
+        num_frames=10,
+    )
 
 
 def _race(n: int, fn):  # type: ignore[no-untyped-def]

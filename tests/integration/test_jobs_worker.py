@@ -80,3 +80,33 @@ def test_invalid_input_fails_once_and_oom_is_retried(jobs_env: JobsEnv) -> None:
     assert room.status == "failed" and room.error_code == "out_of_memory" and room.attempts == 3
     renders = jobs_env.renders()
     assert [renders[(42, i)] for i in range(3)] == [1, 1, 1]
+
+
+def test_preview_sink_failure_costs_the_preview_not_the_job() -> None:
+    from pipeline.errors import SinkError
+    from pipeline.media_types import Fragment
+    from worker.tasks import _BestEffortSink
+
+    class Flaky:
+        def __init__(self) -> None:
+            self.writes: list[int] = []
+            self.closed: list[bool] = []
+
+        def open(self, init: object) -> None:
+            pass
+
+        def write(self, fragment: Fragment) -> None:
+            if fragment.index == 1:
+                raise SinkError("stream gone")
+            self.writes.append(fragment.index)
+
+        def close(self, *, ok: bool) -> None:
+            self.closed.append(ok)
+
+    inner = Flaky()
+    sink = _BestEffortSink(inner, "kvs preview")  # type: ignore[arg-type]
+    sink.open(fake_pipeline.init_segment(1))
+    for i in range(3):
+        sink.write(Fragment(index=i, data=b"x", first_frame=i, num_frames=1, start_s=0.0, duration_s=0.04))
+    sink.close(ok=True)
+    assert inner.writes == [0] and inner.closed == [False]  # dropped after the error, closed once

@@ -83,8 +83,28 @@ def test_file_uri_under_allowed_root(tmp_path: Path) -> None:
 
 def test_kvs_and_idempotency_key() -> None:
     spec = JobSpec.model_validate(
-        {**GOOD, "preview": {"kvs": {"stream_name": "demo-1", "region": "eu-west-1"}}, "idempotency_key": "k:1"}
+        {
+            **GOOD,
+            "preview": {"kvs": {"stream_name": "demo-1", "region": "eu-west-1"}},
+            "idempotency_key": "k:1",
+        }
     )
     assert spec.preview.kvs is not None and spec.preview.kvs.region == "eu-west-1"
     assert "region" in _err({**GOOD, "preview": {"kvs": {"stream_name": "s", "region": "mars"}}})
     assert "idempotency_key" in _err({**GOOD, "idempotency_key": "has space"})
+
+
+def test_settings_guard_long_jobs_and_celery_config() -> None:
+    from worker.celery_app import celery_config
+    from worker.settings import Settings
+
+    with pytest.raises(ValidationError, match="visibility_timeout_s"):
+        Settings(max_job_s=100_000, visibility_timeout_s=50_000)
+    with pytest.raises(ValidationError, match="heartbeat_s"):
+        Settings(lease_s=10, heartbeat_s=6)
+    s = Settings(max_job_s=3600, visibility_timeout_s=7200)
+    conf = celery_config(s)
+    assert conf["worker_prefetch_multiplier"] == 1 and conf["worker_concurrency"] == 1
+    assert conf["task_acks_late"] and conf["task_reject_on_worker_lost"] and conf["task_ignore_result"]
+    assert conf["accept_content"] == ["json"] and conf["broker_connection_retry_on_startup"]
+    assert conf["broker_transport_options"]["visibility_timeout"] == 7200 > s.max_job_s

@@ -14,7 +14,9 @@ from worker.db import make_engine, migrate
 from worker.spec import JobSpec
 from worker.store import JobStore, LeaseLostError, Progress, SegmentRecord
 
-SPEC = JobSpec.model_validate({"image": "s3://bucket-a/face.png", "audio": "s3://bucket-a/voice.wav", "seed": 7})
+SPEC = JobSpec.model_validate(
+    {"image": "s3://bucket-a/face.png", "audio": "s3://bucket-a/voice.wav", "seed": 7}
+)
 
 
 @pytest.fixture
@@ -25,9 +27,16 @@ def store(tmp_path: Path) -> JobStore:
 
 
 def _seg(i: int, checksum: str = "") -> SegmentRecord:
-    return SegmentRecord(index=i, key=f"seg/{i:06d}.m4s", nbytes=100 + i, duration_s=0.5,
-                         checksum=checksum or f"{i:064x}", state_key=f"state/{i:06d}.bin",
-                         first_frame=12 * i, num_frames=12)
+    return SegmentRecord(
+        index=i,
+        key=f"seg/{i:06d}.m4s",
+        nbytes=100 + i,
+        duration_s=0.5,
+        checksum=checksum or f"{i:064x}",
+        state_key=f"state/{i:06d}.bin",
+        first_frame=12 * i,
+        num_frames=12,
+    )
 
 
 def test_create_is_idempotent_per_tenant(store: JobStore) -> None:
@@ -48,7 +57,9 @@ def test_claim_fence_finish(store: JobStore) -> None:
     lease = store.claim(job.id, owner="w1", lease_s=30)
     assert lease is not None and lease.attempt == 1
     assert store.claim(job.id, owner="w2", lease_s=30) is None  # held by w1
-    assert store.heartbeat(lease, progress=Progress(chunks_done=0, num_chunks=3, frames_done=5, num_frames=36))
+    assert store.heartbeat(
+        lease, progress=Progress(chunks_done=0, num_chunks=3, frames_done=5, num_frames=36)
+    )
     store.commit_segment(lease, _seg(0))
     store.commit_segment(lease, _seg(0))  # a repeat of a landed commit is a no-op
     with pytest.raises(ValueError, match="gap"):
@@ -132,3 +143,12 @@ def test_retryable_error_requeues_until_attempts_run_out(store: JobStore) -> Non
     assert lease is not None and not store.requeue(lease, code="sink_error", message="upload failed")
     rec = store.get(job.id)
     assert rec is not None and rec.status == "failed" and rec.error_code == "sink_error"
+
+
+def test_retryable_error_with_cancel_pending_cancels(store: JobStore) -> None:
+    job = store.create(SPEC, tenant="t1")
+    lease = store.claim(job.id, owner="w", lease_s=5)
+    assert lease is not None and store.request_cancel(job.id, tenant="t1")
+    assert not store.requeue(lease, code="sink_error", message="upload failed")
+    rec = store.get(job.id)
+    assert rec is not None and rec.status == "cancelled" and rec.outputs_partial
