@@ -1,0 +1,191 @@
+"""Shared by the placement tests: a small block-structured transformer, its loaders and the jobs the
+NodeEngine runs in the rank processes (module-level, so the spawned ranks import them by name).
+
+The model stands in for the DiT family (``blocks: nn.ModuleList`` in forward order, root parameters
+before and after the blocks) until the real tiny preset is used; placement code is generic over it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+from pipeline.placement.fsdp import parallelize
+from pipeline.placement.rank import RankContext
+
+DIM, DEPTH, TOKENS, IN_DIM = 48, 4, 16, 10
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int = 4) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 3 * dim), nn.GELU(), nn.Linear(3 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, in_dim: int = IN_DIM, dim: int = DIM, depth: int = DEPTH) -> None:
+        super().__init__()
+        self.embed = nn.Linear(in_dim, dim)
+        self.blocks = nn.ModuleList([Block(dim) for _ in range(depth)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, in_dim)
+        self.register_buffer("pos", torch.linspace(-1.0, 1.0, TOKENS * dim).reshape(TOKENS, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) + self.pos[: x.shape[1]]
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def build_model(seed: int = 0) -> TinyTransformer:
+    torch.manual_seed(seed)
+    model = TinyTransformer()
+    # non-trivial norms so every parameter matters to the output
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model.eval()
+
+
+def make_input(seed: int, batch: int = 2, tokens: int = TOKENS) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, tokens, IN_DIM, generator=g)
+
+
+# -- loaders (ctx) -> nn.Module ---------------------------------------------------------------
+def load_plain(ctx: RankContext) -> nn.Module:
+    return build_model().to(ctx.device)
+
+
+def load_sharded(ctx: RankContext) -> nn.Module:
+    return parallelize(build_model(), ctx.mesh, prefetch=1)
+
+
+def load_sharded_parked(ctx: RankContext) -> nn.Module:
+    model = parallelize(build_model(), ctx.mesh, prefetch=1)
+    ctx.parker.register("dit", model, gathers_ahead=1)
+    return model
+
+
+def load_sharded_no_prefetch(ctx: RankContext) -> nn.Module:
+    return parallelize(build_model(), ctx.mesh, prefetch=0)
+
+
+# -- jobs (ctx, payload) -> value ---------------------------------------------------------------
+def job_forward(ctx: RankContext, payload: Mapping[str, object]) -> torch.Tensor:
+    model = ctx.modules[str(payload.get("module", "dit"))]
+    with torch.no_grad():
+        return model(make_input(int(payload.get("seed", 0))).to(ctx.device)).cpu()  # type: ignore[arg-type]
+
+
+def job_park_roundtrip(ctx: RankContext, payload: Mapping[str, object]) -> dict[str, object]:
+    """Forward, park (this rank's shards leave), forward again: both outputs and the parked bytes."""
+    model = ctx.modules["parked"]
+    x = make_input(3)
+    with torch.no_grad():
+        before = model(x)
+        ctx.parker.park("dit")
+        parked = ctx.parker.resident_bytes()["dit"]
+        after = model(x)
+    return {
+        "before": before,
+        "after": after,
+        "parked_resident": parked,
+        "restored_resident": ctx.parker.resident_bytes()["dit"],
+    }
+
+
+def job_record_unshard_order(ctx: RankContext, payload: Mapping[str, object]) -> list[str]:
+    """Record FSDP param-group unshards and block forward ends during one forward (in call order)."""
+    model = ctx.modules[str(payload["module"])]
+    events: list[str] = []
+    original = FSDPParamGroup.unshard
+
+    def unshard(self: FSDPParamGroup, async_op: bool = False) -> None:
+        events.append(f"unshard {self._module_fqn}")
+        original(self, async_op)
+
+    handles = [
+        b.register_forward_hook(lambda m, a, o, i=i: events.append(f"end blocks.{i}"))
+        for i, b in enumerate(model.blocks)  # type: ignore[union-attr,arg-type]
+    ]
+    FSDPParamGroup.unshard = unshard  # type: ignore[method-assign]
+    try:
+        with torch.no_grad():
+            model(make_input(0))
+    finally:
+        FSDPParamGroup.unshard = original  # type: ignore[method-assign]
+        for h in handles:
+            h.remove()
+    return events
+
+
+def job_slow_collectives(ctx: RankContext, payload: Mapping[str, object]) -> int:
+    """Rank 0 publishes 'started' then every rank loops forwards + all_reduce (a job to kill mid-way)."""
+    if ctx.is_publisher:
+        ctx.publish({"started": os.getpid()})
+    total = torch.zeros(1)
+    for _ in range(int(payload.get("steps", 200))):
+        with torch.no_grad():
+            ctx.modules["dit"](make_input(0))
+        dist.all_reduce(total)
+        time.sleep(0.02)
+    return int(total.item())
+
+
+def job_raise(ctx: RankContext, payload: Mapping[str, object]) -> None:
+    kind = str(payload.get("kind", "value"))
+    if kind == "invalid_input":
+        from pipeline.errors import InvalidInputError
+
+        raise InvalidInputError(f"payload field 'seed' must be >= 0, got {payload.get('seed')}", field="seed")
+    raise ValueError(f"bad payload on rank {ctx.rank}")
+
+
+def job_raise_on_rank1(ctx: RankContext, payload: Mapping[str, object]) -> None:
+    """Rank 1 raises while the others wait in a collective it never joins (a partial failure)."""
+    if ctx.rank == 1:
+        raise RuntimeError("rank 1 failed mid-job")
+    dist.all_reduce(torch.ones(1))
+
+
+def job_chunks(ctx: RankContext, payload: Mapping[str, object]) -> int:
+    """A stand-in for a chunked render: `chunks` forwards of a ~4 MB activation, outputs dropped
+    (or kept when `leak`, the negative control), rank 0 publishes a checksum per chunk."""
+    model = ctx.modules["dit"]
+    kept: list[torch.Tensor] = []
+    for k in range(int(payload["chunks"])):  # type: ignore[call-overload]
+        x = make_input(k, batch=64)
+        with torch.no_grad():
+            y = model(x)
+        if payload.get("leak"):
+            kept.append(y.clone())
+        if ctx.is_publisher:
+            ctx.publish(float(y.sum()))
+    return len(kept)
+
+
+def job_wait_for_cancel(ctx: RankContext, payload: Mapping[str, object]) -> str:
+    if ctx.is_publisher:
+        ctx.publish("running")
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if ctx.cancel_requested():
+            return "cancelled"
+        time.sleep(0.01)
+    return "not cancelled"
