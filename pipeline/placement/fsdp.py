@@ -129,9 +129,14 @@ def reset_after_failure(model: nn.Module) -> None:
     and an idle FSDP iteration state (FSDP2 leaves it undefined when forward raises). ``model`` must be
     the root that :func:`parallelize` returned; a model that is not sharded is left alone.
     """
-    if isinstance(model, FSDPModule):
-        model.reset_iter_state()
-        reshard_all(model)
+    if not isinstance(model, FSDPModule):
+        return
+    # FSDP2 sets up its iteration state at the first forward; a model never run has nothing to reset
+    # (and reset_iter_state would fail on the uninitialized communication context).
+    if model._get_fsdp_state()._is_root is None:
+        return
+    model.reset_iter_state()
+    reshard_all(model)
 
 
 def reshard_all(model: nn.Module) -> None:

@@ -87,6 +87,7 @@ def bind_numa(
     device_index: int | None,
     *,
     node: int | None = None,
+    pci_address: str | None = None,
     bind_memory: bool = True,
     strict_memory: bool = False,
     sysfs: Path = Path("/sys"),
@@ -97,6 +98,7 @@ def bind_numa(
         device_index: the rank's CUDA device, or None on a CPU-only rank (nothing is bound unless
             ``node`` is given).
         node: bind to this node instead of looking the GPU up (tests; explicit deployments).
+        pci_address: the GPU's PCI address if already known (else read from CUDA's device properties).
         bind_memory: also set the memory policy, so pinned buffers land on the GPU's node.
         strict_memory: ``MPOL_BIND`` (allocation fails rather than spill to another node) instead of
             ``MPOL_PREFERRED`` (spill when the node is full). Preferred is the default: a parked 14B
@@ -113,7 +115,7 @@ def bind_numa(
             return NumaBinding(None, (), False, False, "", "no GPU for this rank: nothing to bind")
         if len(nodes) <= 1:
             return NumaBinding(None, (), False, False, "", f"one NUMA node online ({nodes}): nothing to bind")
-        address = gpu_pci_address(device_index)
+        address = pci_address or gpu_pci_address(device_index)
         node = numa_node_of_pci(address, sysfs)
         if node is None:
             return NumaBinding(
@@ -133,7 +135,7 @@ def bind_numa(
     _bind_all_threads(set(cpus))
     method = ""
     if bind_memory:
-        method = _set_mempolicy(node, MPOL_BIND if strict_memory else MPOL_PREFERRED)
+        method = set_mempolicy(node, MPOL_BIND if strict_memory else MPOL_PREFERRED)
     binding = NumaBinding(node, cpus, True, bool(method), method, f"bound to NUMA node {node}")
     logger.info("NUMA: %s, cpus=%s, memory=%s", binding.reason, list(cpus), method or "not bound")
     return binding
@@ -152,13 +154,17 @@ def _bind_all_threads(cpus: set[int]) -> None:
             continue
 
 
-def _set_mempolicy(node: int, mode: int) -> str:
-    """Set this process's memory policy to ``node``; returns the method used ("" if unavailable)."""
-    libnuma_path = ctypes.util.find_library("numa") or "libnuma.so.1"
-    try:
-        libnuma = ctypes.CDLL(libnuma_path, use_errno=True)
-    except OSError:
-        libnuma = None
+def set_mempolicy(node: int, mode: int, *, use_libnuma: bool = True) -> str:
+    """Set the calling thread's memory policy (inherited by threads it starts) to ``node``.
+
+    Returns the method used: "libnuma", "syscall", or "" when neither is available (logged).
+    """
+    libnuma = None
+    if use_libnuma:
+        try:
+            libnuma = ctypes.CDLL(ctypes.util.find_library("numa") or "libnuma.so.1", use_errno=True)
+        except OSError:  # no libnuma on this machine: the raw system call below does the same
+            libnuma = None
     if libnuma is not None and libnuma.numa_available() >= 0:
         libnuma.numa_allocate_nodemask.restype = ctypes.c_void_p
         libnuma.numa_bitmask_setbit.argtypes = [ctypes.c_void_p, ctypes.c_uint]

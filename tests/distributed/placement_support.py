@@ -174,7 +174,7 @@ def job_chunks(ctx: RankContext, payload: Mapping[str, object]) -> int:
         with torch.no_grad():
             y = model(x)
         if payload.get("leak"):
-            kept.append(y.clone())
+            kept.append(y.repeat(32, 1, 1))  # ~1.3 MB per chunk kept alive
         if ctx.is_publisher:
             ctx.publish(float(y.sum()))
     return len(kept)
@@ -189,3 +189,18 @@ def job_wait_for_cancel(ctx: RankContext, payload: Mapping[str, object]) -> str:
             return "cancelled"
         time.sleep(0.01)
     return "not cancelled"
+
+
+def job_raise_mid_forward(ctx: RankContext, payload: Mapping[str, object]) -> None:
+    """Every rank raises inside block 2's forward (after blocks 0-1 and the prefetches ran)."""
+    model = ctx.modules["dit"]
+
+    def fail(module: nn.Module, args: object, output: object) -> None:
+        raise ValueError("shape mismatch inside blocks.2")
+
+    handle = model.blocks[2].register_forward_hook(fail)  # type: ignore[index,union-attr]
+    try:
+        with torch.no_grad():
+            model(make_input(0))
+    finally:
+        handle.remove()
