@@ -1,0 +1,151 @@
+"""Checkpoints: one safetensors file holding every module, keys prefixed by the module's role.
+
+Who calls what: ``build_modules`` builds a preset's modules with seeded random init (training starts
+here; the 1.3b / 14b presets stay random); training saves with ``save_checkpoint``; the pipeline's
+module loader calls ``load_checkpoint`` with the modules it needs on this process (a subset is fine:
+keys of modules not passed are skipped). Every problem raises :class:`CheckpointError` naming the file,
+the first few keys involved and the fix; nothing is loaded half-way on error (all checks run first).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from models.audio import AudioEncoder
+from models.dit import A2VDiT
+from models.presets import ModelPreset
+from models.sr import SRDiT
+from models.text import TextEncoder
+from models.vae import CausalVAE
+
+MODULE_NAMES = ("a2v", "sr", "vae", "audio", "text")
+_SHOW = 5  # keys listed per problem kind
+
+
+class CheckpointError(Exception):
+    """A checkpoint cannot be loaded (missing file, bad file, missing/unexpected keys, shape mismatch)."""
+
+
+def _first(keys: list[str]) -> str:
+    more = f" … and {len(keys) - _SHOW} more" if len(keys) > _SHOW else ""
+    return ", ".join(keys[:_SHOW]) + more
+
+
+def build_modules(preset: ModelPreset, seed: int = 0) -> dict[str, nn.Module]:
+    """Seeded random init of every module of ``preset`` (deterministic for a seed, on CPU).
+
+    Each module draws from its own seed (``seed * 16 + position``), so adding or dropping the text
+    encoder never changes the others' weights. The global RNG state is left as it was. Build on
+    ``torch.device("meta")`` (as a context manager) to count parameters without allocating.
+    """
+    makers: list[tuple[str, Callable[[], nn.Module]]] = [
+        ("a2v", lambda: A2VDiT(preset.dit)),
+        ("sr", lambda: SRDiT(preset.sr)),
+        ("vae", lambda: CausalVAE(preset.vae)),
+        ("audio", lambda: AudioEncoder(preset.audio)),
+    ]
+    if preset.text is not None:
+        text_cfg = preset.text
+        makers.append(("text", lambda: TextEncoder(text_cfg)))
+    out: dict[str, nn.Module] = {}
+    for i, (name, make) in enumerate(makers):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed * 16 + i)
+            out[name] = make()
+    return out
+
+
+def save_checkpoint(modules: dict[str, nn.Module], path: str | os.PathLike[str],
+                    metadata: dict[str, str] | None = None) -> None:
+    """Write every module's state into one safetensors file (atomically: temp file, then rename)."""
+    tensors: dict[str, Tensor] = {}
+    for name, module in modules.items():
+        if name not in MODULE_NAMES:
+            raise CheckpointError(f"save_checkpoint: module name {name!r} is not one of {MODULE_NAMES}")
+        for key, value in module.state_dict().items():
+            tensors[f"{name}.{key}"] = value.detach().to("cpu").contiguous()
+    meta = {"format": "pt", "longtake.modules": ",".join(modules)}
+    for k, v in (metadata or {}).items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise CheckpointError(f"save_checkpoint: metadata must map str to str, got {k!r}: {v!r}")
+        meta[k] = v
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(modules: dict[str, nn.Module], path: str | os.PathLike[str], *,
+                    key_map: Callable[[str], str] | None = None, strict: bool = True) -> dict[str, str]:
+    """Load the modules' weights from ``path``; returns the file's metadata.
+
+    ``key_map`` renames file keys (after renaming they must read ``"<module>.<state_dict key>"``) —
+    use it for checkpoints from other codebases. Keys of modules not in ``modules`` are skipped.
+    ``strict=False`` tolerates missing and unexpected keys (never shape mismatches).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(
+            f"checkpoint file {str(path)!r} does not exist: pass the path of a .safetensors file written by "
+            "models.checkpoint.save_checkpoint (train one, see docs/models.md), or use random weights via "
+            "models.checkpoint.build_modules(preset, seed)"
+        )
+    for name in modules:
+        if name not in MODULE_NAMES:
+            raise CheckpointError(f"load_checkpoint: module name {name!r} is not one of {MODULE_NAMES}")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            metadata = dict(f.metadata() or {})
+            file_tensors = {(key_map(k) if key_map else k): f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:  # safetensors raises several types for a corrupt file
+        raise CheckpointError(f"checkpoint file {str(path)!r} is not a readable safetensors file ({exc}): "
+                              "re-download or re-save it") from exc
+
+    missing: list[str] = []
+    unexpected: list[str] = []
+    mismatched: list[str] = []
+    per_module: dict[str, dict[str, Tensor]] = {name: {} for name in modules}
+    expected = {name: m.state_dict() for name, m in modules.items()}
+    for key, tensor in file_tensors.items():
+        prefix, _, rest = key.partition(".")
+        if prefix not in modules:
+            if prefix not in MODULE_NAMES:
+                unexpected.append(key)
+            continue
+        target = expected[prefix].get(rest)
+        if target is None:
+            unexpected.append(key)
+        elif tuple(target.shape) != tuple(tensor.shape):
+            mismatched.append(f"{key} (file {tuple(tensor.shape)}, model {tuple(target.shape)})")
+        else:
+            per_module[prefix][rest] = tensor
+    for name, sd in expected.items():
+        missing.extend(f"{name}.{k}" for k in sd if k not in per_module[name])
+
+    problems = []
+    if mismatched:
+        problems.append(f"{len(mismatched)} shape mismatch(es): {_first(mismatched)}")
+    if strict and missing:
+        problems.append(f"{len(missing)} missing key(s): {_first(sorted(missing))}")
+    if strict and unexpected:
+        problems.append(f"{len(unexpected)} unexpected key(s): {_first(sorted(unexpected))}")
+    if problems:
+        preset = metadata.get("preset", "unknown")
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} (preset {preset}) does not fit the modules {sorted(modules)}: "
+            + "; ".join(problems)
+            + ". Fix: build the modules from the preset the checkpoint was saved with, pass key_map= to rename "
+            "keys from another codebase, or strict=False to accept missing/unexpected keys"
+        )
+    with torch.no_grad():
+        for name, module in modules.items():
+            module.load_state_dict(per_module[name], strict=False)
+    return metadata

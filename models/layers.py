@@ -1,0 +1,178 @@
+"""Blocks shared by the DiTs and encoders: attention with RoPE, feed-forward, timestep embedding,
+patchify helpers.
+
+Nothing here knows about parallelism or devices: placement code in ``pipeline/`` wraps the blocks.
+Attention always goes through ``F.scaled_dot_product_attention`` so the best kernel of the device is
+used.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def sinusoidal_embedding(t: Tensor, dim: int, max_period: float = 10000.0) -> Tensor:
+    """``t`` of any shape (values in [0, 1] are scaled by 1000) -> ``(*t.shape, dim)`` float32."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
+    args = (t.float() * 1000.0)[..., None] * freqs
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+def rope_axes_split(head_dim: int) -> tuple[int, int, int]:
+    """How a head's channels are shared between the (time, height, width) rotary axes (all even)."""
+    hw = 2 * (head_dim // 6)
+    t = head_dim - 2 * hw
+    if t % 2 or t <= 0:
+        raise ValueError(f"head_dim={head_dim} cannot be split into even (t, h, w) rotary parts; use a multiple of 6 or 8")
+    return t, hw, hw
+
+
+def rope_angles(pos_BN3: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """Rotary angles for 3-axis positions ``(B, N, 3)`` (time, row, column) -> cos, sin ``(B, 1, N, head_dim/2)``.
+
+    Positions are floats; only differences between positions of two tokens reach the attention
+    scores, which is what makes the DiT depend on relative frame offsets only.
+    """
+    parts = rope_axes_split(head_dim)
+    angles = []
+    for axis, d in enumerate(parts):
+        inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=pos_BN3.device, dtype=torch.float64) / d))
+        angles.append(pos_BN3[..., axis].double()[..., None] * inv)
+    ang = torch.cat(angles, dim=-1)  # float64 so large positions keep their precision
+    return ang.cos().float()[:, None], ang.sin().float()[:, None]
+
+
+def apply_rope(x_BHND: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    x = x_BHND.float().unflatten(-1, (-1, 2))
+    x0, x1 = x[..., 0], x[..., 1]
+    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return out.flatten(-2).type_as(x_BHND)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with RMS-normalised queries and keys (stable at large widths).
+
+    Self-attention unless built with ``context_dim`` (cross-attention: keys/values from
+    ``context_BMD``). ``rope`` applies to queries and keys of self-attention. ``mask_BM`` (True =
+    attend) masks keys.
+    """
+
+    def __init__(self, dim: int, num_heads: int, context_dim: int | None = None, eps: float = 1e-6) -> None:
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"dim={dim} not divisible by num_heads={num_heads}")
+        self.num_heads = num_heads
+        self.is_cross = context_dim is not None
+        # fused projections: one matmul for q,k,v (self) or k,v (cross); fewer small kernels on CPU
+        if self.is_cross:
+            self.q = nn.Linear(dim, dim)
+            self.kv = nn.Linear(context_dim or dim, 2 * dim)
+        else:
+            self.qkv = nn.Linear(dim, 3 * dim)
+        self.o = nn.Linear(dim, dim)
+        # normalised over the full width (contiguous, one kernel) rather than per head
+        self.norm_q = nn.RMSNorm(dim, eps=eps)
+        self.norm_k = nn.RMSNorm(dim, eps=eps)
+
+    def forward(self, x_BND: Tensor, context_BMD: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None,
+                mask_BM: Tensor | None = None) -> Tensor:
+        if self.is_cross:
+            if context_BMD is None:
+                raise ValueError("cross-attention needs context_BMD")
+            q = self.q(x_BND)
+            k, v = self.kv(context_BMD).chunk(2, dim=-1)
+        else:
+            q, k, v = self.qkv(x_BND).chunk(3, dim=-1)
+        h = self.num_heads
+        q = self.norm_q(q).unflatten(-1, (h, -1)).transpose(1, 2)
+        k = self.norm_k(k).unflatten(-1, (h, -1)).transpose(1, 2)
+        v = v.unflatten(-1, (h, -1)).transpose(1, 2)
+        if rope is not None:
+            q = apply_rope(q, *rope)
+            k = apply_rope(k, *rope)
+        attn_mask = None if mask_BM is None else mask_BM[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        return self.o(out.transpose(1, 2).flatten(-2))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block without timestep modulation: self-attention, optional cross-attention, MLP.
+
+    Used by the SR DiT and the text encoder.
+    """
+
+    def __init__(self, dim: int, num_heads: int, ffn_dim: int, cross: bool, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=eps)
+        self.attn = Attention(dim, num_heads, eps=eps)
+        self.norm_x = nn.LayerNorm(dim, eps=eps) if cross else None
+        self.cross = Attention(dim, num_heads, context_dim=dim, eps=eps) if cross else None
+        self.norm2 = nn.LayerNorm(dim, eps=eps)
+        self.ffn = FeedForward(dim, ffn_dim)
+
+    def forward(self, x_BND: Tensor, rope: tuple[Tensor, Tensor] | None = None, mask_BN: Tensor | None = None,
+                context_BMD: Tensor | None = None) -> Tensor:
+        x_BND = x_BND + self.attn(self.norm1(x_BND), rope=rope, mask_BM=mask_BN)
+        if self.cross is not None and self.norm_x is not None and context_BMD is not None:
+            x_BND = x_BND + self.cross(self.norm_x(x_BND), context_BMD)
+        return x_BND + self.ffn(self.norm2(x_BND))
+
+
+def patchify(x_BCHW: Tensor, p: int) -> Tensor:
+    """``(B, C, H, W)`` -> tokens ``(B, (H/p)(W/p), C p p)``, row-major over patches."""
+    B, C, H, W = x_BCHW.shape
+    x = x_BCHW.reshape(B, C, H // p, p, W // p, p).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(B, (H // p) * (W // p), C * p * p)
+
+
+def unpatchify(tokens_BNK: Tensor, p: int, C: int, H: int, W: int) -> Tensor:
+    B = tokens_BNK.shape[0]
+    x = tokens_BNK.reshape(B, H // p, W // p, C, p, p).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(B, C, H, W)
+
+
+def grid_positions(h: int, w: int, device: torch.device | None = None) -> Tensor:
+    """``(h*w, 2)`` float (row, column) positions of a patch grid, row-major."""
+    rows = torch.arange(h, device=device, dtype=torch.float32)
+    cols = torch.arange(w, device=device, dtype=torch.float32)
+    return torch.stack(torch.meshgrid(rows, cols, indexing="ij"), dim=-1).reshape(h * w, 2)
+
+
+def count_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def sincos_2d(pos_N2: Tensor, dim: int) -> Tensor:
+    """Fixed 2D sin-cos embedding ``(N, dim)`` of (row, column) positions; size-agnostic, no parameters."""
+    quarter = dim // 4
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(quarter, device=pos_N2.device, dtype=torch.float32) / quarter)
+    parts = []
+    for axis in range(2):
+        a = pos_N2[:, axis, None].float() * freqs
+        parts.extend([a.sin(), a.cos()])
+    emb = torch.cat(parts, dim=-1)
+    return F.pad(emb, (0, dim - emb.shape[-1]))
+
+
+def reference_tokens(embed: nn.Linear, ref_BCHW: Tensor, p: int) -> Tensor:
+    """Patchify a reference latent, embed each patch, add a fixed 2D position: ``(B, (H/p)(W/p), D)``."""
+    H, W = ref_BCHW.shape[-2:]
+    if H % p or W % p:
+        raise ValueError(f"ref_BCHW: size {H}x{W} not divisible by the reference patch size {p}")
+    ref = embed(patchify(ref_BCHW, p))
+    return ref + sincos_2d(grid_positions(H // p, W // p, ref.device), ref.shape[-1]).to(ref.dtype)

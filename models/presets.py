@@ -1,0 +1,231 @@
+"""Model presets: one function per size, each returning a frozen :class:`ModelPreset`.
+
+Who calls this: the pipeline (to size chunk plans, latents and audio windows), ``build_modules`` (to
+construct the networks), training scripts and the benchmarks. Presets are plain Python, not YAML;
+every component receives only its own sub-config (``DiTConfig`` for the A2V DiT, and so on).
+
+* ``tiny`` — the trained demo: 256x256 RGB at 25 fps, runs faster than real time on 2 CPU cores.
+* ``1.3b`` / ``14b`` — shapes of the Wan2.1 1.3B / 14B class for the A2V DiT (random init only),
+  used to measure speed and memory on GPUs. Never instantiate them in CPU tests (use the meta device).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class DiTConfig:
+    """The flow-matching A2V DiT (``models.dit.A2VDiT``)."""
+
+    in_channels: int  # latent channels of the low-res latent
+    dim: int
+    num_layers: int
+    num_heads: int
+    ffn_dim: int
+    patch_size: int  # spatial patch on the low-res latent
+    ref_channels: int  # channels of the hr reference latent
+    ref_patch_size: int  # spatial patch on the hr reference latent (reference tokens)
+    audio_dim: int  # D of AudioEncoder features
+    audio_tokens: int  # audio tokens per frame the features are split into
+    audio_token_dim: int  # width of one audio token (keys/values of the frame-local audio attention)
+    text_dim: int | None  # D of TextEncoder tokens (None: no text branch)
+    freq_dim: int = 256  # sinusoidal timestep embedding width
+    rope_theta: float = 10000.0
+    eps: float = 1e-6
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+
+@dataclass(frozen=True)
+class SRConfig:
+    """The one-step latent super-resolution DiT (``models.sr.SRDiT``)."""
+
+    channels: int  # latent channels (same on both sides)
+    scale: int  # hr / lr spatial factor (= ModelPreset.lowres_factor)
+    dim: int
+    num_layers: int
+    num_heads: int
+    ffn_dim: int
+    patch_size: int  # spatial patch on the hr latent (also used for the reference tokens)
+    rope_theta: float = 10000.0
+    eps: float = 1e-6
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+
+@dataclass(frozen=True)
+class VAEConfig:
+    """The causal video VAE (``models.vae.CausalVAE``); no temporal compression.
+
+    ``enc_channels`` / ``dec_channels`` list the channels per resolution level, from half the RGB
+    resolution down to the latent resolution (``len == log2(factor)``): no convolution runs at full
+    RGB resolution (pixel (un)shuffle crosses that last factor 2), and the decoder spends most of its
+    channels at the latent resolution (DESIGN §8: full-resolution convolutions were 8x slower).
+    ``dec_blocks`` counts the plain residual blocks per non-latent level (same order, without the
+    latent level); the latent level has ``latent_res_blocks`` causal ones.
+    """
+
+    image_channels: int
+    latent_channels: int
+    factor: int  # spatial down-sampling factor, power of two
+    enc_channels: tuple[int, ...]
+    dec_channels: tuple[int, ...]
+    latent_res_blocks: int  # causal (temporal) residual blocks at the latent resolution in the decoder
+    dec_blocks: tuple[int, ...]
+    temporal_kernel: int  # kernel of the causal temporal convs (cache keeps kernel-1 frames per layer)
+    lowres_factor: int = 4  # hr latent -> A2V low-res latent (to_lowres); = ModelPreset.lowres_factor
+    scaling: float = 1.0  # latents are multiplied by this after encode and divided before decode
+
+
+@dataclass(frozen=True)
+class AudioConfig:
+    """The audio feature encoder (``models.audio.AudioEncoder``)."""
+
+    sample_rate: int
+    fps: int
+    context_frames: int  # video frames of audio context on each side of a frame
+    n_fft: int
+    hop_length: int
+    n_mels: int
+    dim: int  # hidden width of the learned layers
+    out_dim: int  # D of the per-frame features
+    num_layers: int
+    f_min: float = 0.0
+    f_max: float | None = None
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    """The byte-level text encoder (``models.text.TextEncoder``)."""
+
+    max_length: int  # tokens including the BOS token; longer text is truncated
+    dim: int
+    num_layers: int
+    num_heads: int
+    ffn_dim: int
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    name: str
+    fps: int
+    sample_rate: int
+    height: int
+    width: int
+    latent_channels: int
+    vae_factor: int
+    lowres_factor: int
+    chunk_frames: int  # L
+    context_frames: int  # C
+    interp_frames: int  # e
+    num_steps: int
+    shift: float
+    dit: DiTConfig
+    sr: SRConfig
+    vae: VAEConfig
+    audio: AudioConfig
+    text: TextConfig | None
+    notes: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.height % (self.vae_factor * self.lowres_factor) or self.width % (self.vae_factor * self.lowres_factor):
+            raise ValueError(
+                f"preset {self.name!r}: height x width {self.height}x{self.width} must be divisible by "
+                f"vae_factor*lowres_factor={self.vae_factor * self.lowres_factor}"
+            )
+        if self.sample_rate % self.fps:
+            raise ValueError(
+                f"preset {self.name!r}: sample_rate={self.sample_rate} must be a multiple of fps={self.fps} "
+                "so every video frame owns a whole number of audio samples"
+            )
+        h, w = self.lr_latent_hw
+        if h % self.dit.patch_size or w % self.dit.patch_size:
+            raise ValueError(f"preset {self.name!r}: low-res latent {h}x{w} not divisible by dit.patch_size")
+        if (self.sr.scale != self.lowres_factor or self.vae.factor != self.vae_factor
+                or self.vae.lowres_factor != self.lowres_factor):
+            raise ValueError(f"preset {self.name!r}: sr.scale / vae.factor disagree with the preset factors")
+
+    @property
+    def hr_latent_hw(self) -> tuple[int, int]:
+        return self.height // self.vae_factor, self.width // self.vae_factor
+
+    @property
+    def lr_latent_hw(self) -> tuple[int, int]:
+        h, w = self.hr_latent_hw
+        return h // self.lowres_factor, w // self.lowres_factor
+
+    @property
+    def samples_per_frame(self) -> int:
+        return self.sample_rate // self.fps
+
+
+def _tiny() -> ModelPreset:
+    c = 8
+    audio = AudioConfig(sample_rate=16000, fps=25, context_frames=2, n_fft=400, hop_length=160, n_mels=40,
+                        dim=96, out_dim=128, num_layers=2)
+    text = TextConfig(max_length=64, dim=96, num_layers=2, num_heads=4, ffn_dim=256)
+    return ModelPreset(
+        name="tiny", fps=25, sample_rate=16000, height=256, width=256, latent_channels=c,
+        vae_factor=8, lowres_factor=4, chunk_frames=16, context_frames=4, interp_frames=4,
+        num_steps=5, shift=3.0,
+        dit=DiTConfig(in_channels=c, dim=128, num_layers=4, num_heads=4, ffn_dim=384, patch_size=2,
+                      ref_channels=c, ref_patch_size=4, audio_dim=audio.out_dim, audio_tokens=4,
+                      audio_token_dim=64, text_dim=text.dim, freq_dim=128),
+        sr=SRConfig(channels=c, scale=4, dim=128, num_layers=4, num_heads=4, ffn_dim=384, patch_size=4),
+        vae=VAEConfig(image_channels=3, latent_channels=c, factor=8, enc_channels=(32, 64, 96),
+                      dec_channels=(16, 32, 64), latent_res_blocks=2, dec_blocks=(0, 1), temporal_kernel=3),
+        audio=audio, text=text,
+        notes="trained demo preset; 256x256 at 25 fps on 2 CPU cores",
+    )
+
+
+def _wan_like(name: str, dim: int, layers: int, heads: int, ffn: int, sr_dim: int, sr_layers: int,
+              height: int, width: int) -> ModelPreset:
+    c = 16
+    audio = AudioConfig(sample_rate=16000, fps=25, context_frames=2, n_fft=400, hop_length=160, n_mels=80,
+                        dim=512, out_dim=768, num_layers=4)
+    text = TextConfig(max_length=256, dim=1024, num_layers=6, num_heads=16, ffn_dim=4096)
+    return ModelPreset(
+        name=name, fps=25, sample_rate=16000, height=height, width=width, latent_channels=c,
+        vae_factor=8, lowres_factor=2, chunk_frames=24, context_frames=4, interp_frames=4,
+        num_steps=20, shift=5.0,
+        dit=DiTConfig(in_channels=c, dim=dim, num_layers=layers, num_heads=heads, ffn_dim=ffn, patch_size=2,
+                      ref_channels=c, ref_patch_size=4, audio_dim=audio.out_dim, audio_tokens=4,
+                      audio_token_dim=1024, text_dim=text.dim, freq_dim=256),
+        sr=SRConfig(channels=c, scale=2, dim=sr_dim, num_layers=sr_layers, num_heads=sr_dim // 128,
+                    ffn_dim=4 * sr_dim, patch_size=2),
+        vae=VAEConfig(image_channels=3, latent_channels=c, factor=8, enc_channels=(128, 256, 512),
+                      dec_channels=(128, 256, 512), latent_res_blocks=2, dec_blocks=(1, 2),
+                      temporal_kernel=3, lowres_factor=2),
+        audio=audio, text=text,
+        notes="random init only: for speed and memory measurement on GPUs",
+    )
+
+
+def _1_3b() -> ModelPreset:
+    # Wan2.1-1.3B-like: dim 1536, 30 layers, 12 heads, ffn 8960; 480p-ish (832x480) output
+    return _wan_like("1.3b", 1536, 30, 12, 8960, sr_dim=768, sr_layers=12, height=480, width=832)
+
+
+def _14b() -> ModelPreset:
+    # Wan2.1-14B-like: dim 5120, 40 layers, 40 heads, ffn 13824; 720p-ish output (736 rows, not 720,
+    # so the low-res latent 46x80 divides by the patch size 2)
+    return _wan_like("14b", 5120, 40, 40, 13824, sr_dim=1536, sr_layers=24, height=736, width=1280)
+
+
+PRESETS: dict[str, Callable[[], ModelPreset]] = {"tiny": _tiny, "1.3b": _1_3b, "14b": _14b}
+
+
+def get_preset(name: str) -> ModelPreset:
+    """Return the preset called ``name``; an unknown name raises ``ValueError`` naming the choices."""
+    try:
+        factory = PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}: choose one of {sorted(PRESETS)}") from None
+    return factory()

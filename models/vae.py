@@ -1,0 +1,238 @@
+"""Causal video VAE with a streaming decoder (no temporal compression: one latent frame per video frame).
+
+Who calls what:
+* the pipeline encodes the reference image once per job (``encode`` on a one-frame video) and decodes
+  every emitted chunk with ``decode(z, cache)``, keeping only the returned cache between chunks;
+* training code uses ``encode_moments`` (mean, log-variance) and ``decode``.
+
+Why it streams exactly: the encoder and every decoder layer outside the latent resolution work frame by
+frame (group norms are taken per frame); the only temporal mixing is in causal convolutions at the
+latent resolution, and each of them keeps its last ``kernel - 1`` input frames as its cache. Decoding a
+sequence in any chunk split, feeding each chunk the cache of the previous one, therefore gives the same
+frames as decoding it whole. The cache is a list of plain tensors, a few latent-sized frames per causal
+layer, so it can be snapshotted for resume. Callers must not keep references to the input ``z`` through
+the cache: the cache tensors are copies.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.presets import VAEConfig
+
+
+def _groups(c: int) -> int:
+    for g in (8, 4, 2, 1):
+        if c % g == 0:
+            return g
+    return 1
+
+
+class ResBlock2d(nn.Module):
+    """Per-frame residual block on ``(N, C, H, W)`` (N = batch x frames)."""
+
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.norm1 = nn.GroupNorm(_groups(cin), cin)
+        self.conv1 = nn.Conv2d(cin, cout, 3, padding=1)
+        self.norm2 = nn.GroupNorm(_groups(cout), cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1)
+        self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.conv1(F.silu(self.norm1(x), inplace=True))
+        h = self.conv2(F.silu(self.norm2(h), inplace=True))
+        return self.skip(x) + h
+
+
+class CausalConv3d(nn.Module):
+    """A 3D convolution that only looks at the current and the ``kt - 1`` previous frames.
+
+    Stored as a 2D convolution over the channel-stacked ``kt`` frames (the same function as a causal
+    ``Conv3d``, faster on CPU). Input and output are ``(B, T, C, H, W)``; the cache holds the last
+    ``kt - 1`` input frames ``(B, kt - 1, C, H, W)``; with no cache the past is zeros.
+    """
+
+    def __init__(self, cin: int, cout: int, kt: int, k: int) -> None:
+        super().__init__()
+        self.kt = kt
+        self.cin = cin
+        self.conv = nn.Conv2d(cin * kt, cout, k, padding=k // 2)
+
+    def forward(self, x_BTCHW: Tensor, cache: Tensor | None) -> tuple[Tensor, Tensor]:
+        B, T, C, H, W = x_BTCHW.shape
+        if cache is None:
+            cache = x_BTCHW.new_zeros(B, self.kt - 1, C, H, W)
+        elif cache.shape != (B, self.kt - 1, C, H, W):
+            raise ValueError(
+                f"decoder cache entry has shape {tuple(cache.shape)}, expected {(B, self.kt - 1, C, H, W)}: "
+                "pass the cache returned by the previous decode() of the same stream (or None to start)"
+            )
+        xp = torch.cat([cache, x_BTCHW], dim=1)
+        stacked = torch.cat([xp[:, i : i + T] for i in range(self.kt)], dim=2)  # (B, T, C*kt, H, W)
+        out = self.conv(stacked.reshape(B * T, C * self.kt, H, W))
+        new_cache = xp[:, T:].clone()  # the last kt-1 frames; clone so the chunk is not kept alive
+        return out.reshape(B, T, -1, H, W), new_cache
+
+
+class CausalResBlock(nn.Module):
+    """Residual block at the latent resolution: per-frame 3x3 conv, then a causal temporal conv."""
+
+    num_cache = 1
+
+    def __init__(self, c: int, kt: int) -> None:
+        super().__init__()
+        self.norm1 = nn.GroupNorm(_groups(c), c)
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1)
+        self.norm2 = nn.GroupNorm(_groups(c), c)
+        self.tconv = CausalConv3d(c, c, kt, 1)
+
+    def forward(self, x_BTCHW: Tensor, cache: list[Tensor | None]) -> tuple[Tensor, list[Tensor]]:
+        B, T, C, H, W = x_BTCHW.shape
+        h = self.conv1(F.silu(self.norm1(x_BTCHW.reshape(B * T, C, H, W))))
+        h = F.silu(self.norm2(h), inplace=True).reshape(B, T, C, H, W)
+        h, c0 = self.tconv(h, cache[0])
+        return x_BTCHW + h, [c0]
+
+
+class Encoder(nn.Module):
+    """Per-frame encoder: RGB ``(N, 3, H, W)`` -> moments ``(N, 2*latent, H/f, W/f)``."""
+
+    def __init__(self, cfg: VAEConfig) -> None:
+        super().__init__()
+        ch = cfg.enc_channels
+        blocks: list[nn.Module] = [nn.PixelUnshuffle(2), nn.Conv2d(cfg.image_channels * 4, ch[0], 3, padding=1)]
+        for i in range(1, len(ch)):
+            blocks.append(nn.Conv2d(ch[i - 1], ch[i], 3, stride=2, padding=1))
+            blocks.append(ResBlock2d(ch[i], ch[i]))
+        blocks.append(ResBlock2d(ch[-1], ch[-1]))
+        blocks.append(nn.Sequential(nn.GroupNorm(_groups(ch[-1]), ch[-1]), nn.SiLU(),
+                                    nn.Conv2d(ch[-1], 2 * cfg.latent_channels, 3, padding=1)))
+        self.blocks = nn.ModuleList(blocks).to(memory_format=torch.channels_last)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x.contiguous(memory_format=torch.channels_last)
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class Upsample(nn.Module):
+    """x2 up: a 2x2 stride-2 transposed conv (the function of a 1x1 conv + pixel shuffle, one fast
+    kernel on CPU), then a 3x3 conv at the new resolution."""
+
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.expand = nn.ConvTranspose2d(cin, cout, 2, stride=2)
+        self.conv = nn.Conv2d(cout, cout, 3, padding=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.conv(F.silu(self.expand(x), inplace=True))
+
+
+class Decoder(nn.Module):
+    """Streaming decoder. ``blocks[0]`` is the causal input conv, then the causal latent blocks, then the
+    per-frame up-sampling path; ``num_cache`` causal layers each keep one cache tensor."""
+
+    def __init__(self, cfg: VAEConfig) -> None:
+        super().__init__()
+        ch = cfg.dec_channels
+        kt = cfg.temporal_kernel
+        self.conv_in = CausalConv3d(cfg.latent_channels, ch[-1], kt, 3)
+        self.causal = nn.ModuleList([CausalResBlock(ch[-1], kt) for _ in range(cfg.latent_res_blocks)])
+        up: list[nn.Module] = []
+        for i in range(len(ch) - 1, 0, -1):
+            up.append(Upsample(ch[i], ch[i - 1]))
+            for _ in range(cfg.dec_blocks[i - 1]):
+                up.append(ResBlock2d(ch[i - 1], ch[i - 1]))
+        up.append(nn.Sequential(nn.GroupNorm(_groups(ch[0]), ch[0]), nn.SiLU(),
+                                nn.ConvTranspose2d(ch[0], cfg.image_channels, 2, stride=2)))
+        # channels-last: oneDNN convolutions at 64..256 px run 2-4x faster without layout reorders
+        self.up = nn.ModuleList(up).to(memory_format=torch.channels_last)
+        self.num_cache = 1 + len(self.causal)
+
+    @property
+    def blocks(self) -> list[nn.Module]:
+        return [self.conv_in, *self.causal, *self.up]
+
+    def forward(self, z_BTCHW: Tensor, cache: list[Tensor] | None) -> tuple[Tensor, list[Tensor]]:
+        if cache is not None and len(cache) != self.num_cache:
+            raise ValueError(f"decoder cache has {len(cache)} entries, expected {self.num_cache}: pass the cache "
+                             "returned by the previous decode() of the same stream (or None to start)")
+        old: list[Tensor | None] = list(cache) if cache is not None else [None] * self.num_cache
+        x, c0 = self.conv_in(z_BTCHW, old[0])
+        new = [c0]
+        for i, blk in enumerate(self.causal):
+            x, c = blk(x, [old[1 + i]])
+            new.extend(c)
+        B, T, C, H, W = x.shape
+        y = x.reshape(B * T, C, H, W).contiguous(memory_format=torch.channels_last)
+        for blk in self.up:
+            y = blk(y)
+        return y.reshape(B, T, *y.shape[1:]), new
+
+
+class CausalVAE(nn.Module):
+    def __init__(self, cfg: VAEConfig) -> None:
+        super().__init__()
+        if cfg.factor < 2 or 2 ** int(math.log2(cfg.factor)) != cfg.factor:
+            raise ValueError(f"VAEConfig.factor={cfg.factor}: must be a power of two >= 2")
+        levels = int(math.log2(cfg.factor))
+        if len(cfg.enc_channels) != levels or len(cfg.dec_channels) != levels or len(cfg.dec_blocks) != levels - 1:
+            raise ValueError(
+                f"VAEConfig: factor {cfg.factor} needs {levels} enc_channels / dec_channels and {levels - 1} "
+                f"dec_blocks, got {len(cfg.enc_channels)} / {len(cfg.dec_channels)} / {len(cfg.dec_blocks)}"
+            )
+        self.cfg = cfg
+        self.encoder = Encoder(cfg)
+        self.decoder = Decoder(cfg)
+
+    @property
+    def encoder_blocks(self) -> nn.ModuleList:
+        return self.encoder.blocks
+
+    @property
+    def decoder_blocks(self) -> list[nn.Module]:
+        return self.decoder.blocks
+
+    def encode_moments(self, rgb_BCTHW: Tensor) -> tuple[Tensor, Tensor]:
+        """Training entry: (mean, logvar), each ``(B, latent, T, H/f, W/f)``, already scaled."""
+        B, C, T, H, W = rgb_BCTHW.shape
+        f = self.cfg.factor
+        if H % f or W % f:
+            raise ValueError(f"encode: frame size {H}x{W} must be divisible by the VAE factor {f}")
+        frames = rgb_BCTHW.transpose(1, 2).reshape(B * T, C, H, W)
+        m = self.encoder(frames).reshape(B, T, 2 * self.cfg.latent_channels, H // f, W // f).transpose(1, 2)
+        mean, logvar = m.chunk(2, dim=1)
+        return mean * self.cfg.scaling, logvar.clamp(-30.0, 20.0)
+
+    def encode(self, rgb_BCTHW: Tensor) -> Tensor:
+        """RGB in [-1, 1] ``(B, 3, T, H, W)`` -> hr latents ``(B, latent, T, H/f, W/f)`` (the mean)."""
+        return self.encode_moments(rgb_BCTHW)[0]
+
+    def decode(self, z_BCThw: Tensor, cache: list[Tensor] | None = None, *, clamp: bool = True
+               ) -> tuple[Tensor, list[Tensor]]:
+        """Latents ``(B, latent, T, h, w)`` -> (RGB ``(B, 3, T, h*f, w*f)`` in [-1, 1], new cache).
+
+        Pass ``cache=None`` for the first chunk of a stream and the returned cache for the next one.
+        ``clamp=False`` keeps the raw output (for training losses).
+        """
+        z_BTChw = (z_BCThw / self.cfg.scaling).transpose(1, 2)
+        rgb_BTCHW, new_cache = self.decoder(z_BTChw, cache)
+        rgb = rgb_BTCHW.transpose(1, 2)
+        return (rgb.clamp(-1.0, 1.0) if clamp else rgb), new_cache
+
+    def to_lowres(self, z_BCThw: Tensor, factor: int | None = None) -> Tensor:
+        """hr latent -> low-res latent for the A2V DiT: per-frame average pool by ``factor``
+        (default ``cfg.lowres_factor``)."""
+        factor = factor or self.cfg.lowres_factor
+        B, C, T, h, w = z_BCThw.shape
+        if h % factor or w % factor:
+            raise ValueError(f"to_lowres: latent size {h}x{w} not divisible by lowres_factor={factor}")
+        frames = z_BCThw.transpose(1, 2).reshape(B * T, C, h, w)
+        lr = F.avg_pool2d(frames, factor)
+        return lr.reshape(B, T, C, h // factor, w // factor).transpose(1, 2)

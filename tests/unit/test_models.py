@@ -1,0 +1,294 @@
+"""Contract tests of the model family on the tiny preset (CPU, one thread).
+
+Oracles: chunked == whole (audio), per-frame independence (SR), translation invariance of absolute
+frame indices (DiT), exact recovery by the sampler on a known flow, checkpoint round trips and errors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from models.audio import AudioEncoder
+from models.checkpoint import CheckpointError, build_modules, load_checkpoint, save_checkpoint
+from models.dit import A2VDiT
+from models.layers import count_parameters
+from models.presets import PRESETS, ModelPreset, get_preset
+from models.sampler import FlowMatchEulerSampler
+from models.sr import SRDiT
+from models.text import TextEncoder
+
+
+@pytest.fixture(scope="module")
+def preset() -> ModelPreset:
+    torch.set_num_threads(1)
+    return get_preset("tiny")
+
+
+@pytest.fixture(scope="module")
+def mods(preset: ModelPreset) -> dict[str, torch.nn.Module]:
+    return {k: m.eval() for k, m in build_modules(preset, seed=0).items()}
+
+
+# ---------------------------------------------------------------- presets
+
+
+def test_tiny_sizes(preset: ModelPreset) -> None:
+    assert (preset.height, preset.width, preset.fps) == (256, 256, 25)
+    assert preset.hr_latent_hw == (32, 32) and preset.lr_latent_hw == (8, 8)
+    assert 0 < preset.interp_frames < preset.chunk_frames
+    assert set(PRESETS) == {"tiny", "1.3b", "14b"}
+
+
+def test_unknown_preset_names_choices() -> None:
+    with pytest.raises(ValueError, match=r"'huge'.*1\.3b.*14b.*tiny"):
+        get_preset("huge")
+
+
+@pytest.mark.parametrize(("name", "lo", "hi"), [("1.3b", 1.0e9, 1.8e9), ("14b", 1.1e10, 1.7e10)])
+def test_large_preset_parameter_counts_on_meta(name: str, lo: float, hi: float) -> None:
+    p = get_preset(name)
+    with torch.device("meta"):
+        dit = A2VDiT(p.dit)
+        mods = build_modules(p)
+    assert lo <= count_parameters(dit) <= hi
+    assert all(t.is_meta for m in mods.values() for t in m.parameters())
+    assert p.hr_latent_hw[0] % p.lowres_factor == 0
+
+
+# ---------------------------------------------------------------- audio
+
+
+def test_audio_chunked_equals_whole(mods: dict[str, torch.nn.Module]) -> None:
+    enc = mods["audio"]
+    assert isinstance(enc, AudioEncoder)
+    c, spf, n = enc.context_frames, enc.samples_per_frame, 23
+    torch.manual_seed(3)
+    wave = torch.randn(1, (n + 2 * c) * spf) * 0.1
+    with torch.no_grad():
+        whole = enc(wave, n)
+        a = enc(wave[:, : (9 + 2 * c) * spf], 9)  # frames 0..8
+        b = enc(wave[:, 9 * spf :], n - 9)  # frames 9..22
+    assert whole.shape == (1, n, enc.cfg.out_dim)
+    torch.testing.assert_close(torch.cat([a, b], dim=1), whole, atol=1e-5, rtol=0)
+    # a frame's feature changes when audio inside its window changes, not when audio outside does
+    w2 = wave.clone()
+    w2[:, (5 + 2 * c + 1) * spf :] += 1.0  # after frame 5's window
+    with torch.no_grad():
+        f2 = enc(w2, n)
+    torch.testing.assert_close(f2[:, :6], whole[:, :6], atol=1e-5, rtol=0)
+    assert (f2[:, 6:] - whole[:, 6:]).abs().max() > 1e-3
+
+
+def test_audio_wrong_length_is_rejected(mods: dict[str, torch.nn.Module]) -> None:
+    with pytest.raises(ValueError, match="expected"):
+        mods["audio"](torch.zeros(1, 1000), 4)
+
+
+# ---------------------------------------------------------------- text
+
+
+def test_text_encoder_masks_and_truncates(mods: dict[str, torch.nn.Module], preset: ModelPreset) -> None:
+    enc = mods["text"]
+    assert isinstance(enc, TextEncoder) and preset.text is not None
+    with torch.no_grad():
+        tokens, mask = enc(["héllo", "", "x" * 500])
+    assert tokens.shape == (3, preset.text.max_length, preset.text.dim)
+    assert mask[0].sum() == 1 + len("héllo".encode()) and mask[1].sum() == 1 and mask[2].all()
+    assert torch.isfinite(tokens).all() and (tokens[~mask] == 0).all()
+    with torch.no_grad():
+        alone, _ = enc(["héllo"])
+    torch.testing.assert_close(alone[0], tokens[0], atol=1e-5, rtol=0)  # padding does not leak
+
+
+# ---------------------------------------------------------------- SR
+
+
+def test_sr_frames_are_independent(mods: dict[str, torch.nn.Module], preset: ModelPreset) -> None:
+    sr = mods["sr"]
+    assert isinstance(sr, SRDiT)
+    torch.manual_seed(4)
+    lr = torch.randn(2, preset.latent_channels, 5, *preset.lr_latent_hw)
+    ref = torch.randn(2, preset.latent_channels, *preset.hr_latent_hw)
+    with torch.no_grad():
+        out = sr(lr, ref)
+        one = sr(lr[1:, :, 3:4], ref[1:])
+        two = sr(lr[:, :, 1:3], ref)
+    assert out.shape == (2, preset.latent_channels, 5, *preset.hr_latent_hw)
+    torch.testing.assert_close(one, out[1:, :, 3:4], atol=1e-5, rtol=0)
+    torch.testing.assert_close(two, out[:, :, 1:3], atol=1e-5, rtol=0)
+    with torch.no_grad():  # the reference matters (identity-aware)
+        other = sr(lr[1:, :, 3:4], ref[:1])
+    assert (other - one).abs().max() > 1e-4
+
+
+# ---------------------------------------------------------------- DiT
+
+
+def _dit_inputs(preset: ModelPreset, T: int, seed: int = 5) -> dict[str, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    assert preset.text is not None
+    known = torch.zeros(1, T, dtype=torch.bool)
+    known[:, : preset.context_frames] = True
+    text_mask = torch.zeros(1, 12, dtype=torch.bool)
+    text_mask[:, :7] = True
+    return {
+        "x_BCThw": torch.randn(1, preset.latent_channels, T, *preset.lr_latent_hw, generator=g),
+        "t_B": torch.tensor([0.6]),
+        "known_BT": known,
+        "frame_index_BT": torch.arange(T)[None] + 32,
+        "ref_BCHW": torch.randn(1, preset.latent_channels, *preset.hr_latent_hw, generator=g),
+        "audio_BTD": torch.randn(1, T, preset.dit.audio_dim, generator=g),
+        "text_BND": torch.randn(1, 12, preset.text.dim, generator=g),
+        "text_mask_BN": text_mask,
+    }
+
+
+def test_dit_shape_and_translation_invariance(mods: dict[str, torch.nn.Module], preset: ModelPreset) -> None:
+    dit = mods["a2v"]
+    inp = _dit_inputs(preset, T=8)
+    with torch.no_grad():
+        v = dit(**inp)
+        shifted = dit(**{**inp, "frame_index_BT": inp["frame_index_BT"] + 15_000})  # ten minutes later
+        gapped = dit(**{**inp, "frame_index_BT": inp["frame_index_BT"] * 2})  # different offsets
+    assert v.shape == inp["x_BCThw"].shape and torch.isfinite(v).all()
+    torch.testing.assert_close(shifted, v, atol=1e-5, rtol=0)
+    assert (gapped - v).abs().max() > 1e-4  # relative offsets do matter
+
+
+def test_dit_known_mask_and_conditioning_matter(mods: dict[str, torch.nn.Module], preset: ModelPreset) -> None:
+    dit = mods["a2v"]
+    inp = _dit_inputs(preset, T=6)
+    with torch.no_grad():
+        v = dit(**inp)
+        none_known = dit(**{**inp, "known_BT": torch.zeros_like(inp["known_BT"])})
+        other_audio = dit(**{**inp, "audio_BTD": inp["audio_BTD"].roll(1, dims=1)})
+        no_text = dit(**{**inp, "text_BND": None, "text_mask_BN": None})
+        padded = inp["text_BND"].clone()
+        padded[:, 7:] = 100.0  # masked text tokens must not matter
+        masked_text = dit(**{**inp, "text_BND": padded})
+    for other in (none_known, other_audio, no_text):
+        assert (other - v).abs().max() > 1e-4
+    torch.testing.assert_close(masked_text, v, atol=1e-5, rtol=0)
+
+
+def test_dit_rejects_mismatched_audio(mods: dict[str, torch.nn.Module], preset: ModelPreset) -> None:
+    inp = _dit_inputs(preset, T=4)
+    with pytest.raises(ValueError, match="audio_BTD"):
+        mods["a2v"](**{**inp, "audio_BTD": inp["audio_BTD"][:, :3]})
+
+
+# ---------------------------------------------------------------- sampler
+
+
+def test_sampler_schedule() -> None:
+    ts = FlowMatchEulerSampler(6, 3.0).timesteps()
+    assert ts.shape == (7,) and ts[0] == 1.0 and ts[-1] == 0.0
+    assert (ts[1:] < ts[:-1]).all()
+    plain = FlowMatchEulerSampler(6, 1.0).timesteps()
+    torch.testing.assert_close(plain, torch.linspace(1, 0, 7))
+    assert (ts[1:-1] > plain[1:-1]).all()  # shift > 1 stays longer near noise
+    with pytest.raises(ValueError, match="num_steps"):
+        FlowMatchEulerSampler(0, 1.0)
+
+
+def test_sampler_recovers_x0_and_keeps_known_frames() -> None:
+    g = torch.Generator().manual_seed(6)
+    x0 = torch.randn(2, 4, 5, 3, 3, generator=g)
+    noise = torch.randn(2, 4, 5, 3, 3, generator=g)
+    clean = torch.randn(2, 4, 5, 3, 3, generator=g)
+    known = torch.zeros(2, 5, dtype=torch.bool)
+    known[0, :2] = True
+    known[1, 4] = True
+    calls: list[Tensor] = []
+
+    def velocity(x: Tensor, t_B: Tensor) -> Tensor:
+        # exact field of the flow whose data distribution is the point x0: v = (x_t - x0) / t
+        calls.append(t_B)
+        assert t_B.shape == (2,)
+        return (x - x0) / t_B[:, None, None, None, None]
+
+    out = FlowMatchEulerSampler(4, 5.0).sample(velocity, noise, clean, known)
+    assert len(calls) == 4
+    keep = known[:, None, :, None, None].expand_as(out)
+    assert torch.equal(out[keep], clean[keep])
+    torch.testing.assert_close(out[~keep], x0[~keep], atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------- checkpoint
+
+
+def test_build_modules_is_deterministic(preset: ModelPreset) -> None:
+    state = torch.random.get_rng_state()
+    a, b, c = build_modules(preset, seed=1), build_modules(preset, seed=1), build_modules(preset, seed=2)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert set(a) == {"a2v", "sr", "vae", "audio", "text"}
+    for name in a:
+        for (k, x), y in zip(a[name].state_dict().items(), b[name].state_dict().values(), strict=True):
+            assert torch.equal(x, y), k
+    assert not torch.equal(a["a2v"].head.weight, c["a2v"].head.weight)
+
+
+def test_checkpoint_round_trip(tmp_path: Path, preset: ModelPreset, mods: dict[str, torch.nn.Module]) -> None:
+    path = tmp_path / "ck" / "tiny.safetensors"
+    save_checkpoint(mods, path, metadata={"preset": "tiny", "step": "7"})
+    fresh = build_modules(preset, seed=9)
+    meta = load_checkpoint(fresh, path)
+    assert meta["preset"] == "tiny" and meta["step"] == "7"
+    for name in mods:
+        for (k, x), y in zip(mods[name].state_dict().items(), fresh[name].state_dict().values(), strict=True):
+            assert torch.equal(x, y), f"{name}.{k}"
+    # a subset loads; key_map renames keys of a foreign file
+    sub = {"sr": build_modules(preset, seed=9)["sr"]}
+    load_checkpoint(sub, path)
+    assert torch.equal(sub["sr"].head.weight, mods["sr"].head.weight)
+    from safetensors.torch import load_file, save_file
+
+    foreign = tmp_path / "foreign.safetensors"
+    save_file({"model." + k: v for k, v in load_file(str(path)).items() if k.startswith("sr.")}, str(foreign))
+    sub = {"sr": build_modules(preset, seed=9)["sr"]}
+    load_checkpoint(sub, foreign, key_map=lambda k: k.removeprefix("model."))
+    assert torch.equal(sub["sr"].head.weight, mods["sr"].head.weight)
+
+
+def test_checkpoint_errors(tmp_path: Path, preset: ModelPreset, mods: dict[str, torch.nn.Module]) -> None:
+    from safetensors.torch import load_file, save_file
+
+    missing_file = tmp_path / "nope.safetensors"
+    with pytest.raises(CheckpointError, match="nope.safetensors.*does not exist"):
+        load_checkpoint(mods, missing_file)
+    path = tmp_path / "full.safetensors"
+    save_checkpoint(mods, path)
+    tensors = load_file(str(path))
+
+    def write(name: str, t: dict[str, Tensor]) -> Path:
+        p = tmp_path / name
+        save_file(t, str(p))
+        return p
+
+    no_head = write("missing.safetensors", {k: v for k, v in tensors.items() if k != "a2v.head.weight"})
+    with pytest.raises(CheckpointError, match=r"missing key.*a2v\.head\.weight"):
+        load_checkpoint(mods, no_head)
+    load_checkpoint({"sr": build_modules(preset)["sr"]}, no_head)  # not asked for: fine
+    load_checkpoint(build_modules(preset), no_head, strict=False)
+
+    extra = write("extra.safetensors", {**tensors, "vae.decoder.bogus": torch.zeros(2)})
+    with pytest.raises(CheckpointError, match=r"unexpected key.*vae\.decoder\.bogus"):
+        load_checkpoint(mods, extra)
+
+    bad = dict(tensors)
+    bad["sr.head.weight"] = torch.zeros(3, 3)
+    bad_shape = write("shape.safetensors", bad)
+    target = build_modules(preset, seed=5)
+    before = target["a2v"].head.weight.clone()
+    with pytest.raises(CheckpointError, match=r"shape mismatch.*sr\.head\.weight.*\(3, 3\)"):
+        load_checkpoint(target, bad_shape, strict=False)
+    assert torch.equal(target["a2v"].head.weight, before)  # nothing loaded half-way
+
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match="junk.safetensors"):
+        load_checkpoint(mods, junk)
