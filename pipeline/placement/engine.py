@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from pipeline.errors import ModuleLoadError, RenderError
-from pipeline.placement.rank import RankContext, RankError, RankReport, RankSpec, rank_main
+from pipeline.placement.rank import ModuleLoader, RankContext, RankError, RankReport, RankSpec, rank_main
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +74,9 @@ class EngineConfig:
     """Rank processes (one per GPU; 1 on a CPU-only machine)."""
     device_type: str = "cpu"
     """"cuda" (NCCL, rank i on cuda:i) or "cpu" (gloo)."""
-    loaders: Mapping[str, str] = field(default_factory=dict)
-    """Module name -> "package.module:function" building it on a rank: ``fn(ctx) -> nn.Module``."""
+    loaders: Mapping[str, ModuleLoader | str] = field(default_factory=dict)
+    """Module name -> its loader ``fn(ctx) -> nn.Module`` (picklable: module-level function or a
+    ``functools.partial`` of one) or the loader's "package.module:function" path. Run in order."""
     threads_per_rank: int = 1
     """torch intra-op threads per rank (CPU ranks; GPU ranks need few)."""
     start_timeout_s: float = 600.0

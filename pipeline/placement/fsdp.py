@@ -27,7 +27,13 @@ from typing import cast
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +62,7 @@ def parallelize(
     prefetch: int = 1,
     param_dtype: torch.dtype | None = None,
     offload_policy: OffloadPolicy | None = None,
+    forward_methods: Sequence[str] = (),
 ) -> FSDPModule:
     """Shard ``model`` in place with FSDP2 per block, then the root, and chain forward prefetch.
 
@@ -73,6 +80,8 @@ def parallelize(
             keeps the stored dtype.
         offload_policy: e.g. ``CPUOffloadPolicy(pin_memory=True)`` for small encoders that should
             live on the host and be copied in per forward; ``None`` keeps shards on the device.
+        forward_methods: other methods of the root that use its parameters and are called on their
+            own (``A2VDiT.embed_context``, ``SRDiT.embed_reference``): they all-gather like forward.
 
     Returns:
         the same ``model`` object, now also an ``FSDPModule``.
@@ -103,6 +112,8 @@ def parallelize(
         mp_policy=mp_policy,
         offload_policy=offload,
     )
+    for method in forward_methods:
+        register_fsdp_forward_method(model, method)
     fsdp_blocks = cast(list[FSDPModule], blocks)
     set_forward_prefetch(fsdp_blocks, prefetch)
     logger.debug(

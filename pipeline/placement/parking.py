@@ -27,8 +27,9 @@ copy of each registered model's local parameters, pinned when CUDA exists).
 from __future__ import annotations
 
 import enum
+import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -104,7 +105,13 @@ class ParkedModule:
     """
 
     def __init__(
-        self, name: str, model: nn.Module, parker: ModelParker, gathers_ahead: int, lookahead: int
+        self,
+        name: str,
+        model: nn.Module,
+        parker: ModelParker,
+        gathers_ahead: int,
+        lookahead: int,
+        methods: Sequence[str] = (),
     ) -> None:
         self.name = name
         self.model = model
@@ -121,6 +128,20 @@ class ParkedModule:
         self._handles = [model.register_forward_pre_hook(self._root_pre_hook, prepend=True)]
         for i, b in enumerate(blocks):
             self._handles.append(b.register_forward_pre_hook(self._block_pre_hook(i), prepend=True))
+        for method in methods:
+            self._wrap_method(method)
+
+    def _wrap_method(self, method: str) -> None:
+        """Make ``model.<method>()`` (called on its own, like ``embed_context``) restore the root
+        parameters first; wraps the instance attribute, so it runs before FSDP's wrapper of it."""
+        inner = getattr(self.model, method)
+
+        @functools.wraps(inner)
+        def wrapped(*args: object, **kwargs: object) -> object:
+            self._root_pre_hook(self.model, args)
+            return inner(*args, **kwargs)
+
+        setattr(self.model, method, wrapped)
 
     def _group(self, index: int, tensors: Iterator[torch.Tensor], seen: set[int]) -> _Group:
         group = _Group(index)
@@ -205,13 +226,22 @@ class ModelParker:
         # GPU-only: the side stream for host-to-device copies, so they overlap compute.
         self._stream = torch.cuda.Stream(device=device) if self.is_cuda and self.enabled else None
 
-    def register(self, name: str, model: nn.Module, *, gathers_ahead: int = 0, lookahead: int = 1) -> None:
+    def register(
+        self,
+        name: str,
+        model: nn.Module,
+        *,
+        gathers_ahead: int = 0,
+        lookahead: int = 1,
+        methods: Sequence[str] = (),
+    ) -> None:
         """Take the host copy of ``model`` (its local shards under FSDP) and install the hooks.
 
         Call after ``parallelize`` (the hooks must run before FSDP's all-gather hooks) and once per
         model. ``gathers_ahead``: the ``prefetch`` passed to ``parallelize`` (0 if not sharded): block
         ``n``'s pre-forward all-gathers that many next blocks, so they must be resident too.
-        ``lookahead``: blocks copied ahead of need. The model stays resident until parked.
+        ``lookahead``: blocks copied ahead of need. ``methods``: other root methods called on their own
+        (the ``forward_methods`` given to ``parallelize``). The model stays resident until parked.
         """
         if name in self._models:
             raise ValueError(
@@ -223,7 +253,7 @@ class ModelParker:
             raise ValueError(
                 f"need lookahead >= 1 and gathers_ahead >= 0, got {lookahead=}, {gathers_ahead=}"
             )
-        self._models[name] = ParkedModule(name, model, self, gathers_ahead, lookahead)
+        self._models[name] = ParkedModule(name, model, self, gathers_ahead, lookahead, methods)
 
     def get(self, name: str) -> ParkedModule:
         try:

@@ -22,7 +22,7 @@ import pickle
 import re
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -79,6 +79,12 @@ class RankContext:
         return self._cancel is not None and self._cancel.is_set()
 
 
+ModuleLoader = Callable[[RankContext], nn.Module]
+"""Builds one module on a rank (called once per rank at start, after the process group is up). It
+may shard the module (``parallelize(model, ctx.mesh)``) and register it with ``ctx.parker``. A loader
+crosses the spawn boundary by pickling: a module-level function or a ``functools.partial`` of one."""
+
+
 @dataclass(frozen=True)
 class RankSpec:
     """Everything a rank process needs to start (picklable; sent through spawn)."""
@@ -86,7 +92,7 @@ class RankSpec:
     world_size: int
     device_type: str  # "cuda" or "cpu"
     store_port: int
-    loaders: tuple[tuple[str, str], ...]  # (module name, "pkg.mod:fn" loader path)
+    loaders: tuple[tuple[str, ModuleLoader | str], ...]  # (module name, loader or its "pkg.mod:fn" path)
     threads_per_rank: int
     collective_timeout_s: float
     numa: bool
@@ -193,11 +199,11 @@ def rank_main(rank: int, spec: RankSpec, conn: Connection, cancel: MpEvent) -> N
         ctx = RankContext(
             rank, spec.world_size, device, group, mesh, numa, ModelParker(device, enabled=spec.park)
         )
-        for name, loader_path in spec.loaders:
-            module = resolve(loader_path)(ctx)
+        for name, loader in spec.loaders:
+            module = (resolve(loader) if isinstance(loader, str) else loader)(ctx)
             if not isinstance(module, nn.Module):
                 raise TypeError(
-                    f"loader {loader_path!r} for module {name!r} returned {type(module).__name__}, not nn.Module"
+                    f"loader {loader!r} for module {name!r} returned {type(module).__name__}, not nn.Module"
                 )
             ctx.modules[name] = module
     except BaseException as exc:
@@ -235,7 +241,3 @@ def _serve(ctx: RankContext, conn: Connection, cancel: MpEvent) -> None:
         peak, kind = _peak(ctx.device)
         report = RankReport(ctx.rank, time.perf_counter() - start, peak, kind)
         conn.send(("done", job_id, ctx.rank, value if ctx.is_publisher else None, report))
-
-
-def loaders_tuple(loaders: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
-    return tuple(loaders.items())
