@@ -275,7 +275,9 @@ class NodeEngine:
 
         ``on_event`` receives what rank 0 publishes, in order, on this thread. If it raises, the job
         is asked to cancel (``ctx.cancel_requested()``) and the exception is re-raised once the ranks
-        stop. ``should_cancel`` is polled every ``poll_s`` seconds with the same effect.
+        stop (after ``error_grace_s`` they are killed and the group restarts at the next job).
+        ``should_cancel`` is polled every ``poll_s`` seconds and asks the job to cancel; the job
+        decides how to end (the pipeline raises ``CancelledError``).
         """
         path = job_path(job)
         self.start()  # no-op when up; restarts after a failure tore the group down
@@ -309,6 +311,8 @@ class NodeEngine:
                     except BaseException as exc:  # re-raised below once the ranks have stopped
                         callback_error = exc
                         group.cancel.set()
+                        # a job that does not poll ctx.cancel_requested() is stopped the hard way
+                        deadline = min(deadline, time.monotonic() + self.config.error_grace_s)
                 elif kind == "done" and message[1] == job_id:
                     values[rank], reports[rank] = message[3], message[4]
                 elif kind == "error" and message[1] == job_id:
@@ -320,6 +324,8 @@ class NodeEngine:
             if time.monotonic() >= deadline and len(reports) + len(errors) < len(group.conns):
                 running = [r for r in range(len(group.conns)) if r not in reports and r not in errors]
                 self._teardown()
+                if callback_error is not None:
+                    raise callback_error
                 if errors:
                     raise self._job_error(path, errors, stuck=running)
                 raise JobTimeoutError(
@@ -359,10 +365,12 @@ class NodeEngine:
         proc.join(5.0)
         reason = _describe_exit(proc.exitcode)
         self._teardown()
-        raise RankDiedError(
-            f"rank {rank} (pid {proc.pid}) {reason} {when}; the job is lost and the node engine will restart "
-            "its rank processes at the next job"
+        consequence = (
+            "the job is lost and the node engine will restart its rank processes at the next job"
+            if "job" in when
+            else "the node engine did not start (see the rank's stderr for its traceback)"
         )
+        raise RankDiedError(f"rank {rank} (pid {proc.pid}) {reason} {when}; {consequence}")
 
     def _receive(
         self, deadline: float, what: str, *, job_id: int | None = None
@@ -385,11 +393,14 @@ class NodeEngine:
                         out.append((by_conn[conn], conn.recv()))
                 except (EOFError, OSError):
                     continue  # the pipe closed: the sentinel of that rank tells why
-        if not out:
-            for item in ready:
-                if item in by_sentinel:
-                    when = "while the engine was starting" if job_id is None else f"during job {what}"
-                    self._fail_dead(by_sentinel[item], when)  # type: ignore[index]
+        # A rank exits only when told to stop: any exit here is a death. Messages read in the same
+        # round no longer matter (the job or the start fails either way).
+        if any(message[0] == "fatal" for _, message in out):
+            return out  # the caller raises with the rank's own account of why it stopped
+        for item in ready:
+            if item in by_sentinel:
+                when = "while the engine was starting" if job_id is None else f"during job {what}"
+                self._fail_dead(by_sentinel[item], when)  # type: ignore[index]
         if job_id is None and not out and time.monotonic() >= deadline:
             self._teardown()
             raise ModuleLoadError(

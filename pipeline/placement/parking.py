@@ -31,6 +31,7 @@ import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import nn
@@ -183,6 +184,11 @@ class ParkedModule:
     def _root_pre_hook(self, module: nn.Module, args: object) -> None:
         if not self.is_parked:
             return
+        if self.is_sharded and cast(FSDPModule, self.model)._get_fsdp_state()._is_root is None:
+            # FSDP2's lazy init (at the first forward) re-checks every local shard against its padded
+            # buffer: all shards must be present for it, once. Later returns are just in time.
+            self._parker.restore(self.name)
+            return
         self._parker._wait(self, self.root)
         self._ensure_through(0)
 
@@ -309,15 +315,20 @@ class ModelParker:
         for group in pm.groups:
             self._wait(pm, group)
 
+    def unregister(self, name: str) -> None:
+        """Restore ``name`` and remove its hooks; the parker forgets it (the model stays usable)."""
+        if not self.enabled:
+            return
+        self.restore(name)
+        self._models.pop(name).remove_hooks()
+
     def resident_bytes(self) -> dict[str, int]:
         return {name: pm.resident_bytes() for name, pm in self._models.items()}
 
     def close(self) -> None:
         """Restore every model and remove the hooks (the models stay usable, unparked)."""
-        for name, pm in self._models.items():
-            self.restore(name)
-            pm.remove_hooks()
-        self._models.clear()
+        for name in list(self._models):
+            self.unregister(name)
 
     # -- the copy protocol ---------------------------------------------------------------------
     def _issue(self, pm: ParkedModule, group: _Group) -> None:

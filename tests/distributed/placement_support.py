@@ -19,11 +19,11 @@ from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from pipeline.placement.fsdp import parallelize
 from pipeline.placement.rank import RankContext
 
-DIM, DEPTH, TOKENS, IN_DIM = 48, 4, 16, 10
+DIM, DEPTH, TOKENS, IN_DIM = 50, 4, 16, 10  # 50: uneven shards over 4 ranks (padding)
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int = 4) -> None:
+    def __init__(self, dim: int, heads: int = 2) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
         self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
@@ -204,3 +204,67 @@ def job_raise_mid_forward(ctx: RankContext, payload: Mapping[str, object]) -> No
             model(make_input(0))
     finally:
         handle.remove()
+
+
+# -- the real tiny preset (models.presets "tiny") -----------------------------------------------
+def tiny_stage_outputs(a2v: nn.Module, sr: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """One A2V velocity over an N window and one SR pass of its L frames, as the stages call them."""
+    from models.presets import get_preset
+
+    p = get_preset("tiny")
+    L, C, c = p.chunk_frames, p.context_frames, p.latent_channels
+    g = torch.Generator().manual_seed(7)
+    ref = torch.randn(1, c, *p.hr_latent_hw, generator=g)
+    x = torch.randn(1, c, C + L, *p.lr_latent_hw, generator=g)
+    known = torch.zeros(1, C + L, dtype=torch.bool)
+    known[:, :C] = True
+    audio = torch.randn(1, C + L, p.dit.audio_dim, generator=g)
+    text = torch.randn(1, 5, p.dit.text_dim or 1, generator=g)
+    with torch.no_grad():
+        context = a2v.embed_context(ref, text)  # type: ignore[operator]
+        v = a2v(x, torch.full((1,), 0.5), known, torch.arange(C + L)[None], ref, audio, context=context)
+        hr = sr(v[:, :, C:], ref, ref_tokens=sr.embed_reference(ref))  # type: ignore[operator]
+    return v, hr
+
+
+def job_tiny_stages(ctx: RankContext, payload: Mapping[str, object]) -> dict[str, torch.Tensor]:
+    """Resident outputs, then both models parked and returned just in time (twice, switching)."""
+    a2v, sr = ctx.modules["a2v"], ctx.modules["sr"]
+    v, hr = tiny_stage_outputs(a2v, sr)
+    ctx.parker.park("a2v")
+    ctx.parker.park("sr")
+    parked = sum(ctx.parker.resident_bytes().values())
+    v2, hr2 = tiny_stage_outputs(a2v, sr)
+    ctx.parker.activate("sr")
+    v3, hr3 = tiny_stage_outputs(a2v, sr)
+    return {
+        "v": v,
+        "hr": hr,
+        "v_parked": v2,
+        "hr_parked": hr2,
+        "v_switch": v3,
+        "hr_switch": hr3,
+        "parked_bytes": torch.tensor(parked),
+    }
+
+
+def job_park_before_first_forward(ctx: RankContext, payload: Mapping[str, object]) -> dict[str, torch.Tensor]:
+    """Park a freshly sharded model that never ran (FSDP not yet lazily initialized), run it, park it
+    again: every rank's shards must then be gone (FSDP's lazy init must not have swapped a padded
+    shard for a copy the parker does not know). Returns the output and the bytes left, summed."""
+    model = parallelize(build_model(), ctx.mesh, prefetch=1)
+    ctx.parker.register("fresh", model, gathers_ahead=1)
+    ctx.parker.park("fresh")
+    try:
+        with torch.no_grad():
+            out = model(make_input(int(payload.get("seed", 0))))
+        ctx.parker.park("fresh")
+        left = torch.tensor([sum(p.to_local().untyped_storage().nbytes() for p in model.parameters())])  # type: ignore[attr-defined]
+        dist.all_reduce(left)
+        return {"out": out, "bytes_left_after_park": left}
+    finally:
+        ctx.parker.unregister("fresh")
+
+
+def load_broken(ctx: RankContext) -> nn.Module:
+    raise FileNotFoundError("checkpoint /nonexistent/a2v.safetensors not found")

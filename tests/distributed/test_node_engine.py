@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from pipeline.errors import InvalidInputError
+from pipeline.errors import InvalidInputError, ModuleLoadError
 from pipeline.placement.engine import EngineConfig, JobFailedError, NodeEngine, RankDiedError
 from tests.distributed import placement_support as ps
 
@@ -114,3 +114,14 @@ def test_peak_memory_flat_from_n_to_4n_chunks(engine: NodeEngine) -> None:
     leak_n = [r.peak_bytes for r in engine.run(ps.job_chunks, {"chunks": n, "leak": True}).ranks]
     leak_4n = [r.peak_bytes for r in engine.run(ps.job_chunks, {"chunks": 4 * n, "leak": True}).ranks]
     assert all(b - a > 8 * MiB for a, b in zip(leak_n, leak_4n, strict=True)), (leak_n, leak_4n)
+
+
+@pytest.mark.timeout(120)
+def test_loader_failure_is_a_module_load_error() -> None:
+    config = EngineConfig(world_size=1, loaders={"a2v": f"{SUPPORT}:load_broken"})
+    engine = NodeEngine(config)
+    with pytest.raises(
+        ModuleLoadError, match=r"rank 0 failed to start.*FileNotFoundError: checkpoint /nonexistent"
+    ):
+        engine.start()
+    assert not engine.is_running

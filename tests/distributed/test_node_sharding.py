@@ -81,9 +81,13 @@ def test_parked_sharded_model_round_trip(engine2: NodeEngine) -> None:
 @pytest.mark.timeout(300)
 def test_four_ranks_sharded_equals_unsharded() -> None:
     loaders = {"dit": f"{SUPPORT}:load_sharded"}
-    with NodeEngine(EngineConfig(world_size=4, loaders=loaders)) as engine:
+    with NodeEngine(EngineConfig(world_size=4, loaders=loaders, park=True)) as engine:
         out = engine.run(ps.job_forward, {"seed": 2}).value
         events = engine.run(ps.job_record_unshard_order, {"module": "dit"}).value
+        # 4 ranks shard the 10-row head unevenly (padded shards): park before FSDP's lazy init
+        fresh = engine.run(ps.job_park_before_first_forward, {"seed": 2}).value
+    assert isinstance(fresh, dict) and torch.equal(fresh["out"], reference(2))
+    assert int(fresh["bytes_left_after_park"]) == 0
     assert isinstance(out, torch.Tensor)
     assert torch.equal(out, reference(2)), (out - reference(2)).abs().max()
     assert isinstance(events, list)
