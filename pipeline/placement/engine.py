@@ -33,6 +33,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event as MpEvent
 from types import TracebackType
+from typing import cast
 
 import torch.distributed as dist
 import torch.multiprocessing as tmp
@@ -197,7 +198,8 @@ class NodeEngine:
             park=cfg.park,
         )
         cancel = ctx.Event()
-        procs, conns = [], []
+        procs: list[BaseProcess] = []
+        conns: list[Connection] = []
         for rank in range(cfg.world_size):
             parent_end, child_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(
@@ -219,7 +221,7 @@ class NodeEngine:
                             f"rank {rank} failed to start (joining the process group or loading modules "
                             f"{sorted(cfg.loaders)}): {message[2]}"
                         )
-                    info[rank] = message[2]
+                    info[rank] = cast(dict[str, object], message[2])
         except BaseException:
             self._teardown()
             raise
@@ -314,11 +316,11 @@ class NodeEngine:
                         # a job that does not poll ctx.cancel_requested() is stopped the hard way
                         deadline = min(deadline, time.monotonic() + self.config.error_grace_s)
                 elif kind == "done" and message[1] == job_id:
-                    values[rank], reports[rank] = message[3], message[4]
+                    values[rank], reports[rank] = message[3], cast(RankReport, message[4])
                 elif kind == "error" and message[1] == job_id:
                     if not errors:  # the other ranks get a grace period to report too
                         deadline = min(deadline, time.monotonic() + self.config.error_grace_s)
-                    errors[rank] = message[3]  # type: ignore[assignment]
+                    errors[rank] = cast(RankError, message[3])
             if should_cancel is not None and should_cancel():
                 group.cancel.set()
             if time.monotonic() >= deadline and len(reports) + len(errors) < len(group.conns):

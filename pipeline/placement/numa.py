@@ -58,7 +58,9 @@ def gpu_pci_address(device_index: int) -> str:
     import torch
 
     props = torch.cuda.get_device_properties(device_index)
-    return f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    # the PCI fields exist on CUDA builds' device properties but not in torch's type stubs
+    domain, bus, dev = (int(getattr(props, f"pci_{k}_id")) for k in ("domain", "bus", "device"))
+    return f"{domain:04x}:{bus:02x}:{dev:02x}.0"
 
 
 def numa_node_of_pci(address: str, sysfs: Path = Path("/sys")) -> int | None:

@@ -73,7 +73,7 @@ class _Slot:
 
     def device_bytes(self) -> torch.Tensor:
         view = torch.empty(0, dtype=torch.uint8, device=self.storage.device)
-        return view.set_(self.storage, 0, (self.nbytes,))
+        return view.set_(self.storage, 0, (self.nbytes,), (1,))
 
 
 @dataclass

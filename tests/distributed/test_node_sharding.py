@@ -78,6 +78,7 @@ def test_parked_sharded_model_round_trip(engine2: NodeEngine) -> None:
     assert torch.equal(out["after"], reference(3))
 
 
+@pytest.mark.slow  # 4 spawned ranks each import torch: ~90 s on 2 loaded cores, ~25 s idle
 @pytest.mark.timeout(300)
 def test_four_ranks_sharded_equals_unsharded() -> None:
     loaders = {"dit": f"{SUPPORT}:load_sharded"}
