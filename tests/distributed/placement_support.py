@@ -268,3 +268,22 @@ def job_park_before_first_forward(ctx: RankContext, payload: Mapping[str, object
 
 def load_broken(ctx: RankContext) -> nn.Module:
     raise FileNotFoundError("checkpoint /nonexistent/a2v.safetensors not found")
+
+
+def job_relay_fragments(ctx: RankContext, payload: Mapping[str, object]) -> int:
+    """Every rank renders 'fragments' through a RelaySink (only rank 0's reach the parent)."""
+    from pipeline.media_types import Fragment, InitSegment
+    from pipeline.placement.relay import RelaySink
+
+    sink = RelaySink(ctx)
+    sink.open(InitSegment(b"ftyp-moov", 256, 256, 25, 16000, "avc1.64001e", "mp4a.40.2"))
+    count = int(payload["fragments"])  # type: ignore[call-overload]
+    for i in range(count):
+        if ctx.cancel_requested():
+            sink.close(ok=False)
+            return i
+        data = bytes([ctx.rank]) * 8
+        sink.write(Fragment(i, data, 16 * i, 16, 0.64 * i, 0.64, is_last=i == count - 1))
+        time.sleep(0.05)
+    sink.close(ok=True)
+    return count

@@ -10,8 +10,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from pipeline.errors import InvalidInputError, ModuleLoadError
+from pipeline.errors import InvalidInputError, ModuleLoadError, SinkError
+from pipeline.media_types import Fragment, InitSegment
 from pipeline.placement.engine import EngineConfig, JobFailedError, NodeEngine, RankDiedError
+from pipeline.placement.relay import SinkRelay
 from tests.distributed import placement_support as ps
 
 pytestmark = pytest.mark.distributed
@@ -125,3 +127,34 @@ def test_loader_failure_is_a_module_load_error() -> None:
     ):
         engine.start()
     assert not engine.is_running
+
+
+class RecordingSink:
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.calls: list[str] = []
+        self.fail_at = fail_at
+
+    def open(self, init: InitSegment) -> None:
+        self.calls.append(f"open {init.data.decode()}")
+
+    def write(self, fragment: Fragment) -> None:
+        if fragment.index == self.fail_at:
+            raise SinkError(f"upload of fragment {fragment.index} failed")
+        self.calls.append(f"write {fragment.index} {fragment.data.hex()}")
+
+    def close(self, *, ok: bool) -> None:
+        self.calls.append(f"close ok={ok}")
+
+
+@pytest.mark.timeout(120)
+def test_fragments_relay_to_parent_sinks(engine: NodeEngine) -> None:
+    sink = RecordingSink()
+    assert (
+        engine.run(ps.job_relay_fragments, {"fragments": 3}, on_event=SinkRelay([sink]).on_event).value == 3
+    )
+    assert sink.calls == ["open ftyp-moov", *[f"write {i} {'00' * 8}" for i in range(3)], "close ok=True"]
+    failing = RecordingSink(fail_at=1)
+    with pytest.raises(SinkError, match="upload of fragment 1 failed"):
+        engine.run(ps.job_relay_fragments, {"fragments": 50}, on_event=SinkRelay([failing]).on_event)
+    assert failing.calls[:2] == ["open ftyp-moov", f"write 0 {'00' * 8}"]
+    assert engine.run(ps.job_forward, {"seed": 0}).value is not None
