@@ -7,6 +7,10 @@ each module and the resulting output frames per second (real time = fps of the p
 
     python bench/models_speed.py --threads 2            # the real-time check on this machine
     python bench/models_speed.py --threads 1 --repeats 5
+    python bench/models_speed.py --preset 1.3b --device cuda --dtype bfloat16   # on a GPU machine
+
+On CUDA the modules are built directly on the device (random init; the 14b A2V needs ~67 GB in
+float32 before the cast) and the peak allocated memory is printed.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from models.audio import AudioEncoder
 from models.checkpoint import build_modules
 from models.dit import A2VDiT
 from models.presets import get_preset
@@ -26,16 +31,18 @@ from models.sr import SRDiT
 from models.vae import CausalVAE
 
 
-def _time(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
+def _time(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> tuple[float, float]:
     """(min wall seconds, min process CPU seconds) over ``repeats`` runs after one warm-up.
 
     The minimum, not the median: on a shared machine the other processes only ever add time.
     """
-    fn()  # warm-up (allocator, oneDNN primitive cache)
+    fn()  # warm-up (allocator, oneDNN primitive cache, CUDA kernels)
+    sync()
     wall, cpu = [], []
     for _ in range(repeats):
         w0, c0 = time.perf_counter(), time.process_time()
         fn()
+        sync()
         wall.append(time.perf_counter() - w0)
         cpu.append(time.process_time() - c0)
     return min(wall), min(cpu)
@@ -49,8 +56,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, help="override num_steps")
     ap.add_argument("--chunk", type=int, help="override chunk_frames (L)")
     ap.add_argument("--layers", type=int, help="override the A2V DiT's num_layers")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     p = get_preset(args.preset)
     if args.steps:
         p = dataclasses.replace(p, num_steps=args.steps)
@@ -58,34 +69,42 @@ def main() -> None:
         p = dataclasses.replace(p, chunk_frames=args.chunk)
     if args.layers:
         p = dataclasses.replace(p, dit=dataclasses.replace(p.dit, num_layers=args.layers))
-    mods = {k: m.eval() for k, m in build_modules(p, seed=0).items()}
+    with device:
+        mods = {k: m.eval().to(dtype) for k, m in build_modules(p, seed=0).items()}
     dit, sr, vae, audio = mods["a2v"], mods["sr"], mods["vae"], mods["audio"]
     assert isinstance(dit, A2VDiT) and isinstance(sr, SRDiT) and isinstance(vae, CausalVAE)
+    assert isinstance(audio, AudioEncoder)
     L, C, e, c = p.chunk_frames, p.context_frames, p.interp_frames, p.latent_channels
     sampler = FlowMatchEulerSampler(p.num_steps, p.shift)
     g = torch.Generator().manual_seed(0)
-    ref = torch.randn(1, c, *p.hr_latent_hw, generator=g)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    ref = randn(1, c, *p.hr_latent_hw)
     text_tokens = text_mask = None
     if "text" in mods:
         with torch.inference_mode():
             text_tokens, text_mask = mods["text"](["a friendly presenter in a bright studio"])
 
     def a2v(T: int) -> Callable[[], object]:
-        x = torch.randn(1, c, T, *p.lr_latent_hw, generator=g)
-        known = torch.zeros(1, T, dtype=torch.bool)
+        x = randn(1, c, T, *p.lr_latent_hw)
+        known = torch.zeros(1, T, dtype=torch.bool, device=device)
         known[:, : min(C, T - 1)] = True
-        fi = torch.arange(T)[None] + 1000
-        feats = torch.randn(1, T, p.dit.audio_dim, generator=g)
+        fi = torch.arange(T, device=device)[None] + 1000
+        feats = randn(1, T, p.dit.audio_dim)
 
         def run() -> object:
             with torch.inference_mode():
                 ctx = dit.embed_context(ref, text_tokens, text_mask)
-                return sampler.sample(lambda xt, t: dit(xt, t, known, fi, ref, feats, context=ctx), x, x, known)
+                return sampler.sample(
+                    lambda xt, t: dit(xt, t, known, fi, ref, feats, context=ctx), x, x, known
+                )
 
         return run
 
     def audio_feats(T: int) -> Callable[[], object]:
-        wave = torch.randn(1, audio.num_samples(T), generator=g) * 0.1
+        wave = randn(1, audio.num_samples(T)) * 0.1
 
         def run() -> object:
             with torch.inference_mode():
@@ -93,8 +112,8 @@ def main() -> None:
 
         return run
 
-    lr = torch.randn(1, c, L, *p.lr_latent_hw, generator=g)
-    z = torch.randn(1, c, L, *p.hr_latent_hw, generator=g)
+    lr = randn(1, c, L, *p.lr_latent_hw)
+    z = randn(1, c, L, *p.hr_latent_hw)
     with torch.inference_mode():
         _, cache = vae.decode(z)
         sr_tokens = sr.embed_reference(ref)
@@ -108,24 +127,37 @@ def main() -> None:
             return vae.decode(z, cache)
 
     timed = {
-        "audio (N+I windows)": [_time(audio_feats(C + L), args.repeats), _time(audio_feats(e + 2), args.repeats)],
-        f"a2v N chunk ({p.num_steps} steps x {C + L} frames)": [_time(a2v(C + L), args.repeats)],
-        f"a2v I chunk ({p.num_steps} steps x {e + 2} frames)": [_time(a2v(e + 2), args.repeats)],
-        f"sr ({L} frames)": [_time(run_sr, args.repeats)],
-        f"vae decode ({L} frames)": [_time(run_decode, args.repeats)],
+        "audio (N+I windows)": [
+            _time(audio_feats(C + L), args.repeats, sync),
+            _time(audio_feats(e + 2), args.repeats, sync),
+        ],
+        f"a2v N chunk ({p.num_steps} steps x {C + L} frames)": [_time(a2v(C + L), args.repeats, sync)],
+        f"a2v I chunk ({p.num_steps} steps x {e + 2} frames)": [_time(a2v(e + 2), args.repeats, sync)],
+        f"sr ({L} frames)": [_time(run_sr, args.repeats, sync)],
+        f"vae decode ({L} frames)": [_time(run_decode, args.repeats, sync)],
     }
     wall = {k: sum(w for w, _ in v) for k, v in timed.items()}
     cpu = {k: sum(c for _, c in v) for k, v in timed.items()}
     total, total_cpu = sum(wall.values()), sum(cpu.values())
-    print(f"preset={p.name} {p.width}x{p.height}@{p.fps} threads={args.threads} L={L} C={C} e={e} "
-          f"steps={p.num_steps} repeats={args.repeats} (min over repeats)")
+    print(
+        f"preset={p.name} {p.width}x{p.height}@{p.fps} device={device} dtype={args.dtype} "
+        f"threads={args.threads} L={L} C={C} e={e} "
+        f"steps={p.num_steps} repeats={args.repeats} (min over repeats)"
+    )
     print(f"  {'module (per emission of L frames)':<42s} {'wall ms/frame':>14s} {'cpu ms/frame':>13s}")
     for name in timed:
-        print(f"  {name:<42s} {1000 * wall[name] / L:14.2f} {1000 * cpu[name] / L:13.2f}  "
-              f"({100 * wall[name] / total:4.1f}% of wall)")
+        print(
+            f"  {name:<42s} {1000 * wall[name] / L:14.2f} {1000 * cpu[name] / L:13.2f}  "
+            f"({100 * wall[name] / total:4.1f}% of wall)"
+        )
     fps = L / total
-    print(f"  {'total':<42s} {1000 * total / L:14.2f} {1000 * total_cpu / L:13.2f}  -> {fps:.1f} frames/s "
-          f"({fps / p.fps:.2f}x real time)")
+    print(
+        f"  {'total':<42s} {1000 * total / L:14.2f} {1000 * total_cpu / L:13.2f}  -> {fps:.1f} frames/s "
+        f"({fps / p.fps:.2f}x real time)"
+    )
+
+    if device.type == "cuda":
+        print(f"  peak allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
 
 
 if __name__ == "__main__":

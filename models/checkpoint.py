@@ -62,8 +62,9 @@ def build_modules(preset: ModelPreset, seed: int = 0) -> dict[str, nn.Module]:
     return out
 
 
-def save_checkpoint(modules: dict[str, nn.Module], path: str | os.PathLike[str],
-                    metadata: dict[str, str] | None = None) -> None:
+def save_checkpoint(
+    modules: dict[str, nn.Module], path: str | os.PathLike[str], metadata: dict[str, str] | None = None
+) -> None:
     """Write every module's state into one safetensors file (atomically: temp file, then rename)."""
     tensors: dict[str, Tensor] = {}
     for name, module in modules.items():
@@ -83,8 +84,13 @@ def save_checkpoint(modules: dict[str, nn.Module], path: str | os.PathLike[str],
     os.replace(tmp, path)
 
 
-def load_checkpoint(modules: dict[str, nn.Module], path: str | os.PathLike[str], *,
-                    key_map: Callable[[str], str] | None = None, strict: bool = True) -> dict[str, str]:
+def load_checkpoint(
+    modules: dict[str, nn.Module],
+    path: str | os.PathLike[str],
+    *,
+    key_map: Callable[[str], str] | None = None,
+    strict: bool = True,
+) -> dict[str, str]:
     """Load the modules' weights from ``path``; returns the file's metadata.
 
     ``key_map`` renames file keys (after renaming they must read ``"<module>.<state_dict key>"``) —
@@ -104,10 +110,17 @@ def load_checkpoint(modules: dict[str, nn.Module], path: str | os.PathLike[str],
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             metadata = dict(f.metadata() or {})
-            file_tensors = {(key_map(k) if key_map else k): f.get_tensor(k) for k in f.keys()}
+            # read only the tensors of the modules asked for (a rank loading one module of a 14b file
+            # must not materialise the others); other keys are only named
+            file_tensors: dict[str, Tensor | None] = {}
+            for raw in f.keys():
+                key = key_map(raw) if key_map else raw
+                file_tensors[key] = f.get_tensor(raw) if key.partition(".")[0] in modules else None
     except Exception as exc:  # safetensors raises several types for a corrupt file
-        raise CheckpointError(f"checkpoint file {str(path)!r} is not a readable safetensors file ({exc}): "
-                              "re-download or re-save it") from exc
+        raise CheckpointError(
+            f"checkpoint file {str(path)!r} is not a readable safetensors file ({exc}): "
+            "re-download or re-save it"
+        ) from exc
 
     missing: list[str] = []
     unexpected: list[str] = []
@@ -121,7 +134,7 @@ def load_checkpoint(modules: dict[str, nn.Module], path: str | os.PathLike[str],
                 unexpected.append(key)
             continue
         target = expected[prefix].get(rest)
-        if target is None:
+        if target is None or tensor is None:
             unexpected.append(key)
         elif tuple(target.shape) != tuple(tensor.shape):
             mismatched.append(f"{key} (file {tuple(tensor.shape)}, model {tuple(target.shape)})")
