@@ -5,7 +5,8 @@ Who calls what: the worker builds one :class:`S3ProgressiveSink` per render atte
 ``open(init)``, ``write(fragment)`` per emission and ``close(ok=...)``; everything that touches the
 store happens on the sink's own upload thread, in fragment order:
 
-1. preview on: ``seg_%05d.m4s`` (the fragment), ``state_%05d.bin`` (its resume state), then
+1. preview on: ``seg_%05d.m4s`` (the fragment), ``state_%05d.bin`` (its resume state, for every
+   ``state_every``-th fragment: a state is larger than a segment with the tiny preset), then
    ``index.m3u8`` (HLS EVENT playlist, ``EXT-X-MAP`` -> ``init.mp4``) rewritten so it references only
    segments already uploaded (skipped when the rewrites would exceed ``playlist_budget`` of the
    segment bytes — only in very long low-bitrate renders); then ``on_commit(CommittedSegment)``;
@@ -18,7 +19,11 @@ store happens on the sink's own upload thread, in fragment order:
    ``part_min_bytes`` never starts a multipart upload: ``final.mp4`` is one put at close.
 
 With the preview off, fragments are committed when the part that carries them is uploaded (their
-``key`` is then the final MP4's key; only the last fragment of each part carries a ``state_key``).
+``key`` is then the final MP4's key; the newest ``state_every``-th fragment of each part carries a
+``state_key``).
+
+Resume: a retried render restarts after the newest *stored* state, so it may re-make fragments that
+are already committed; ``write`` checks each against its committed checksum and sends nothing.
 
 Back-pressure and outages: ``write`` hands the fragment to the upload thread and returns. The most
 recent ``max_in_memory`` (default 2) undelivered fragments stay in RAM; older ones are spooled to an
@@ -215,6 +220,7 @@ class S3ProgressiveSink:
         give_up_after_s: float = 120.0,
         playlist_budget: float = 0.015,
         target_duration: int | None = None,
+        state_every: int = 1,
     ) -> None:
         self.store = store
         self.prefix = prefix
@@ -233,6 +239,9 @@ class S3ProgressiveSink:
         self._give_up_after_s = give_up_after_s
         self._playlist_budget = playlist_budget
         self._target_duration = target_duration  # HLS EXT-X-TARGETDURATION; None: first segment + 1 s
+        if state_every < 1:
+            raise ValueError(f"state_every={state_every}: must be >= 1")
+        self._state_every = state_every  # upload the resume state of every N-th fragment only
 
         done = sorted(committed, key=lambda s: s.index)
         if [s.index for s in done] != list(range(len(done))):
@@ -243,6 +252,7 @@ class S3ProgressiveSink:
         self._committed: list[CommittedSegment] = done
         self._resume_mp = multipart_state
         self._next_write = len(done)  # next fragment index the render must write
+        self._replay_next: int | None = None  # next re-rendered committed fragment expected (see write)
         self._init: InitSegment | None = None
         self._init_sha = ""
 
@@ -259,7 +269,7 @@ class S3ProgressiveSink:
         self._pending: list[tuple[int, bytes]] = []  # (fragment index, bytes) not yet in a part
         self._pending_bytes = 0
         self._unpart_commits: list[tuple[Fragment, str, int]] = []  # preview off: waiting for their part
-        self._last_state: bytes | None = None
+        self._last_state: tuple[int, bytes] | None = None  # (fragment index, its resume state)
         self.final_uploaded_at: float | None = None
         self.last_write_at: float | None = None
 
@@ -276,6 +286,20 @@ class S3ProgressiveSink:
     def write(self, fragment: Fragment) -> None:
         if self._thread is None:
             raise _sink_error("S3ProgressiveSink.write before open()", retryable=False)
+        if self._replay_next is None:
+            # A resumed render restarts after the last *stored* state, which may precede the last
+            # committed segment (states are kept every ``state_every`` segments).
+            self._replay_next = min(fragment.index, self._next_write)
+        if fragment.index < self._next_write:
+            # ...so it re-makes committed fragments, byte for byte: check them, don't re-send them.
+            seg = self._committed[fragment.index]
+            if fragment.index != self._replay_next or hashlib.sha256(fragment.data).hexdigest() != seg.checksum:
+                raise _sink_error(
+                    f"re-rendered fragment {fragment.index} does not reproduce committed segment {seg.key} "
+                    "(order or checksum): the model, checkpoint or inputs changed since the job started; "
+                    "resubmit the job", retryable=False)
+            self._replay_next += 1
+            return
         if fragment.index != self._next_write:
             raise _sink_error(
                 f"fragment.index={fragment.index} but the sink expects {self._next_write} "
@@ -498,7 +522,7 @@ class S3ProgressiveSink:
             self._put(key, data, "segment_bytes", "video/iso.segment")
             self.counters.num_segments += 1
             state_key = None
-            if state is not None:
+            if state is not None and fragment.index % self._state_every == 0:
                 state_key = safe_key(self.prefix, f"state_{fragment.index:05d}.bin")
                 self._put(state_key, state, "state_bytes", "application/octet-stream")
             seg = CommittedSegment(fragment.index, key, len(data), fragment.duration_s, checksum, state_key,
@@ -508,8 +532,8 @@ class S3ProgressiveSink:
             self._commit(seg)
         else:
             self._unpart_commits.append((_replace(fragment, data=b"", resume_state=None), checksum, len(data)))
-            if state is not None:
-                self._last_state = state
+            if state is not None and fragment.index % self._state_every == 0:
+                self._last_state = (fragment.index, state)
         self._add_pending(fragment.index, data)
 
     def _commit(self, seg: CommittedSegment) -> None:
@@ -579,15 +603,16 @@ class S3ProgressiveSink:
         """Preview off: fragments become durable when the part (or final put) carrying them lands."""
         if not self._unpart_commits:
             return
-        state_key = None
-        last = self._unpart_commits[-1][0]
+        state_key, state_index = None, -1
         if self._last_state is not None:
-            state_key = safe_key(self.prefix, f"state_{last.index:05d}.bin")
-            self._put(state_key, self._last_state, "state_bytes", "application/octet-stream")
+            state_index, state = self._last_state
+            state_key = safe_key(self.prefix, f"state_{state_index:05d}.bin")
+            self._put(state_key, state, "state_bytes", "application/octet-stream")
             self._last_state = None
         for frag, checksum, nbytes in self._unpart_commits:
             seg = CommittedSegment(frag.index, self.final_key, nbytes, frag.duration_s, checksum,
-                                   state_key if frag is last else None, frag.first_frame, frag.num_frames)
+                                   state_key if frag.index == state_index else None, frag.first_frame,
+                                   frag.num_frames)
             self._committed.append(seg)
             self._commit(seg)
         self._unpart_commits = []

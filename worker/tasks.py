@@ -122,6 +122,7 @@ class _S3Delivery:
             committed=[CommittedSegment(**asdict(s)) for s in committed],
             on_commit=on_commit,
             preview=spec.preview.hls,
+            state_every=settings.state_every,
         )
         self.sinks: Sequence[FrameSink] = [self.sink]
         if spec.preview.kvs is not None:
@@ -456,15 +457,13 @@ class JobWorker:
 
     # ------------------------------------------------------------------------------ inputs
     def _resume_state(self, committed: Sequence[SegmentRecord], delivery: JobDelivery) -> bytes | None:
-        if not committed:
+        """The state of the newest committed segment that has one (states are stored every
+        ``state_every`` segments); the render re-makes the segments after it, which the delivery
+        sink recognises by checksum and does not upload again. None: start from the beginning."""
+        with_state = [seg for seg in committed if seg.state_key is not None]
+        if not with_state:
             return None
-        last = committed[-1]
-        if last.state_key is None:
-            raise InvalidInputError(
-                f"segment {last.index} was committed without a resume state; cannot resume, resubmit the job",
-                field="segments",
-            )
-        return delivery.load_state(last.state_key)
+        return delivery.load_state(with_state[-1].state_key)  # type: ignore[arg-type]
 
     def _fetch(self, rec: JobRecord, uri: str, field: str, workdir: Path) -> Path:
         """A local path for an input URI (downloads s3:// and upload:// into ``workdir``)."""
