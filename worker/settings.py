@@ -12,7 +12,9 @@ no servers; production sets ``LONGTAKE_DATABASE_URL``, ``LONGTAKE_BROKER_URL`` a
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -101,9 +103,14 @@ class Settings(BaseSettings):
     )
     reaper_enabled: bool = Field(default=True, description="Run the reaper thread in the worker process")
     cancel_grace_s: float = Field(
-        default=10.0, ge=0, description="After a cancel: wait this long for the render to stop, then SIGTERM"
+        default=10.0,
+        ge=0,
+        description="After a cancel (or a lost lease): wait this long for the render to stop between "
+        "chunks, then kill the node's rank processes (they restart, cold, with the next job)",
     )
-    kill_grace_s: float = Field(default=5.0, ge=0, description="After SIGTERM: wait this long, then SIGKILL")
+    kill_grace_s: float = Field(
+        default=5.0, ge=0, description="At worker shutdown: seconds the ranks get to exit before SIGKILL"
+    )
     cancel_poll_s: float = Field(
         default=1.0, gt=0, description="How often a running job's cancel flag is read"
     )
@@ -111,7 +118,25 @@ class Settings(BaseSettings):
     # --- rendering ----------------------------------------------------------------------------
     render_entry: str = Field(
         default="pipeline.render:render",
-        description="module:function of the render entry point the child process calls",
+        description="module:function of the render entry point every rank process calls (its module "
+        "also defines RenderRequest)",
+    )
+    node_ranks: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Rank processes of the worker's NodeEngine (one per GPU; 1 on a CPU-only machine)",
+    )
+    node_device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto",
+        description="Device type of the ranks; auto = cuda when the NVIDIA driver lists a GPU, else cpu "
+        "(decided without initialising CUDA in the worker process)",
+    )
+    node_threads_per_rank: int = Field(
+        default=0,
+        ge=0,
+        le=1024,
+        description="torch threads per rank; 0 = the CPU cores divided by node_ranks",
     )
     delivery_factory: str = Field(
         default="worker.tasks:s3_delivery",
@@ -139,6 +164,19 @@ class Settings(BaseSettings):
         default=3600, gt=0, le=7 * 86400, description="Lifetime of presigned output URLs"
     )
     upload_max_bytes: int = Field(default=512 * 1024 * 1024, gt=0, description="Largest accepted upload")
+
+    def resolved_node_device(self) -> str:
+        """``node_device`` with ``auto`` decided from the driver's GPU list (no CUDA call here: the
+        Celery process must never initialise CUDA)."""
+        if self.node_device != "auto":
+            return self.node_device
+        gpus = Path("/proc/driver/nvidia/gpus")
+        return "cuda" if gpus.is_dir() and any(gpus.iterdir()) else "cpu"
+
+    def resolved_node_threads(self) -> int:
+        if self.node_threads_per_rank:
+            return self.node_threads_per_rank
+        return max(1, (os.cpu_count() or 1) // self.node_ranks)
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:

@@ -1,8 +1,9 @@
-"""The render task: claim the row, render in a child process under a heartbeated lease, end the row.
+"""The render task: claim the row, render on the worker's NodeEngine under a heartbeated lease, end the row.
 
 Who calls: Celery runs :func:`register_tasks`' ``longtake.render_job(job_id)`` (registered by
 :func:`worker.celery_app.create_celery_app`); tests may call :meth:`JobWorker.run` directly. One
-:class:`JobWorker` per process holds the engine and store; nothing else survives a task.
+:class:`JobWorker` per process holds the DB engine, the store and the :class:`NodeExecutor` (the
+node's warm rank processes, started by the first job); nothing else survives a task.
 
 One attempt:
 1. ``claim`` (conditional UPDATE). No lease -> the job is running elsewhere, finished, cancelled or
@@ -13,7 +14,7 @@ One attempt:
 3. Build the job's delivery (``Settings.delivery_factory``; default :func:`s3_delivery`) whose
    ``on_commit`` is the lease-fenced ``JobStore.commit_segment``.
 4. Start :class:`LeaseKeeper` (heartbeat every ``heartbeat_s`` with the latest progress, poll the
-   cancel flag every ``cancel_poll_s``) and run :class:`worker.runner.RenderRunner`.
+   cancel flag every ``cancel_poll_s``) and run the render on :class:`worker.runner.NodeExecutor`.
 5. End the row by outcome: finish | mark_cancelled (+ abandon the multipart upload) | requeue and
    publish a new message (retryable error, attempts left) | fail | nothing (lease lost: the row
    belongs to someone else now).
@@ -21,6 +22,7 @@ One attempt:
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import logging
 import os
@@ -42,7 +44,7 @@ from pipeline.media_types import Fragment, FrameSink, InitSegment
 from worker import metrics
 from worker.db import DbRetry, make_engine
 from worker.logging import job_context, set_chunk
-from worker.runner import RenderJob, RenderOutcome, RenderRunner
+from worker.runner import NodeExecutor, RenderJob, RenderOutcome
 from worker.settings import Settings
 from worker.spec import JobSpec, resolve_file_uri
 from worker.store import JobRecord, JobStore, Lease, LeaseLostError, Progress, SegmentFields, SegmentRecord
@@ -246,6 +248,11 @@ class JobWorker:
         )
         self.owner = settings.worker_name or f"{socket.gethostname()}:{os.getpid()}"
         self.delivery_factory: DeliveryFactory = _load(settings.delivery_factory)
+        self.node = NodeExecutor(
+            ranks=settings.node_ranks,
+            device=settings.resolved_node_device(),
+            threads_per_rank=settings.resolved_node_threads(),
+        )
 
     @classmethod
     def for_process(cls, settings: Settings, celery: Celery | None = None) -> JobWorker:
@@ -254,6 +261,7 @@ class JobWorker:
             inst = cls._instances.get(os.getpid())
             if inst is None:
                 inst = cls._instances[os.getpid()] = cls(settings, celery)
+                atexit.register(inst.node.close, settings.kill_grace_s)  # ranks also die with the process (PDEATHSIG)
             return inst
 
     # ------------------------------------------------------------------------------ one attempt
@@ -389,18 +397,17 @@ class JobWorker:
             log_level=s.log_level,
             log_json=s.log_json,
         )
-        runner = RenderRunner(
-            job,
-            delivery.sinks,
-            stop_reason=keeper.stop_reason,
-            on_progress=on_progress,
-            on_fragment=on_fragment,
-            cancel_grace_s=s.cancel_grace_s,
-            kill_grace_s=s.kill_grace_s,
-        )
         keeper.start()
         try:
-            outcome = runner.run()
+            outcome = self.node.run(
+                job,
+                delivery.sinks,
+                stop_reason=keeper.stop_reason,
+                on_progress=on_progress,
+                on_fragment=on_fragment,
+                cancel_grace_s=s.cancel_grace_s,
+                timeout_s=s.max_job_s,
+            )
         finally:
             keeper.stop()
         if outcome.status == "succeeded" and outcome.result:

@@ -23,6 +23,7 @@ Failures:
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import signal
 import time
@@ -196,6 +197,7 @@ class NodeEngine:
             collective_timeout_s=cfg.collective_timeout_s,
             numa=cfg.numa,
             park=cfg.park,
+            parent_pid=os.getpid(),
         )
         cancel = ctx.Event()
         procs: list[BaseProcess] = []
@@ -227,7 +229,11 @@ class NodeEngine:
             raise
         self.ready_info = [info[r] for r in range(cfg.world_size)]
         logger.info(
-            "node engine generation %d up: %d ranks on %s", self.generation, cfg.world_size, cfg.device_type
+            "node engine generation %d up: %d ranks on %s, pids %s",
+            self.generation,
+            cfg.world_size,
+            cfg.device_type,
+            self.pids,
         )
 
     def restart(self) -> None:
@@ -279,7 +285,9 @@ class NodeEngine:
         is asked to cancel (``ctx.cancel_requested()``) and the exception is re-raised once the ranks
         stop (after ``error_grace_s`` they are killed and the group restarts at the next job).
         ``should_cancel`` is polled every ``poll_s`` seconds and asks the job to cancel; the job
-        decides how to end (the pipeline raises ``CancelledError``).
+        decides how to end (the pipeline raises ``CancelledError``). If ``should_cancel`` raises, the
+        job is stopped the hard way: the ranks are killed at once (the group restarts at the next
+        job) and that exception propagates — the caller's way to enforce a cancel grace period.
         """
         path = job_path(job)
         self.start()  # no-op when up; restarts after a failure tore the group down
@@ -321,8 +329,14 @@ class NodeEngine:
                     if not errors:  # the other ranks get a grace period to report too
                         deadline = min(deadline, time.monotonic() + self.config.error_grace_s)
                     errors[rank] = cast(RankError, message[3])
-            if should_cancel is not None and should_cancel():
-                group.cancel.set()
+            if should_cancel is not None:
+                try:
+                    cancel_now = should_cancel()
+                except BaseException:
+                    self._teardown()
+                    raise
+                if cancel_now:
+                    group.cancel.set()
             if time.monotonic() >= deadline and len(reports) + len(errors) < len(group.conns):
                 running = [r for r in range(len(group.conns)) if r not in reports and r not in errors]
                 self._teardown()

@@ -20,6 +20,8 @@ import logging
 import os
 import pickle
 import re
+import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -97,6 +99,7 @@ class RankSpec:
     collective_timeout_s: float
     numa: bool
     park: bool | None
+    parent_pid: int = 0  # the engine's process; the rank dies with it (0: do not watch)
 
 
 @dataclass(frozen=True)
@@ -167,8 +170,32 @@ def _pickled(exc: BaseException) -> bytes | None:
     return data
 
 
+def die_with_parent(parent_pid: int) -> None:
+    """End this process when ``parent_pid`` (the engine) goes away, however it goes (``kill -9``
+    included), so no rank outlives its worker: ``PR_SET_PDEATHSIG`` (Linux; fires when the parent
+    *thread* that spawned us exits, so the engine must be started from a long-lived thread) plus a
+    watchdog thread that also covers a parent that died before the ``prctl``."""
+    if parent_pid <= 0:
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not glibc/Linux: the watchdog alone covers it
+        pass
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(70)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def rank_main(rank: int, spec: RankSpec, conn: Connection, cancel: MpEvent) -> None:
     """Entry point of a spawned rank process (see the module docstring for the message protocol)."""
+    die_with_parent(spec.parent_pid)
     logging.basicConfig(level=os.environ.get("LONGTAKE_LOG_LEVEL", "WARNING"))
     torch.set_num_threads(spec.threads_per_rank)
     device_index = rank if spec.device_type == "cuda" else None

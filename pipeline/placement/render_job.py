@@ -1,0 +1,120 @@
+"""A render entry point (``pipeline.render:render`` or one with its signature) as a NodeEngine job.
+
+Who calls this: :meth:`NodeEngine.run` runs :func:`render_entry_job` on every rank (the worker wraps it
+to add its logging, see ``worker.runner.render_attempt``). Each rank imports the entry (its module
+also provides ``RenderRequest``), builds the request from the payload and calls the entry with one
+:class:`~pipeline.placement.relay.RelaySink` (rank 0 publishes, the other ranks discard), the
+engine's cancel flag as ``should_cancel`` and progress published as :class:`ProgressEvent`.
+
+Because a rank process lives across jobs, whatever the entry caches per process stays warm: with
+``pipeline.render`` that is the model family (:func:`pipeline.family.get_family`), built by the first
+job and reused by every later one. :func:`warm_report` says, per job, how many modules were loaded
+during it (0 once warm), which the worker logs and the tests assert.
+
+Payload (plain, picklable): ``entry`` ("package.module:function"), ``request`` (the
+``RenderRequest`` fields; ``image``/``audio``/``checkpoint`` as path strings), ``resume_state``
+(bytes or None), ``mode`` (default "streaming"). Nothing from one job is kept for the next except
+what the entry itself caches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.errors import InvalidInputError, OutOfMemoryError
+from pipeline.placement.rank import RankContext, resolve
+from pipeline.placement.relay import RelaySink
+
+_PATH_FIELDS = ("image", "audio", "checkpoint")
+_jobs_served = 0  # render jobs this rank process has run (its warmth, for reports)
+
+
+@dataclass(frozen=True)
+class ProgressEvent:
+    """One chunk's progress (the entry's ``RenderProgress`` as a dict), published by rank 0."""
+
+    fields: dict[str, object]
+
+
+def _as_dict(obj: object) -> dict[str, object]:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    return dict(vars(obj))
+
+
+def loaded_modules() -> dict[str, float]:
+    """``"preset/module" -> load_s`` of every model loaded in this process by ``pipeline.family``
+    (empty when the entry does not use it, e.g. a test stand-in)."""
+    family_mod = sys.modules.get("pipeline.family")
+    if family_mod is None:
+        return {}
+    out: dict[str, float] = {}
+    for key, family in list(family_mod._families.items()):
+        for name, module in family.modules.items():
+            if module.is_loaded:
+                out[f"{'/'.join(key)}/{name}"] = module.load_s
+    return out
+
+
+def warm_report(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, object]:
+    """What this job cost in model loading: loads done during it and their seconds."""
+    new = {k: v for k, v in after.items() if k not in before}
+    return {
+        "pid": os.getpid(),
+        "jobs_on_rank": _jobs_served,
+        "modules_loaded": len(after),
+        "loads_this_job": len(new),
+        "load_s_this_job": round(sum(new.values()), 4),
+    }
+
+
+def render_entry_job(ctx: RankContext, payload: Mapping[str, object]) -> dict[str, object]:
+    """Run the configured render entry on this rank; rank 0 returns ``{"result", "warm"}``."""
+    global _jobs_served
+    entry = str(payload["entry"])
+    render = resolve(entry)
+    module = importlib.import_module(entry.partition(":")[0])
+    request_cls = getattr(module, "RenderRequest", None)
+    if request_cls is None:
+        raise InvalidInputError(
+            f"render entry {entry!r}: its module has no RenderRequest class; point render_entry at a "
+            "module that defines render() and RenderRequest (like pipeline.render)",
+            field="render_entry",
+        )
+    raw = payload["request"]
+    if not isinstance(raw, Mapping):
+        raise TypeError(f"payload['request'] must be a mapping of RenderRequest fields, got {type(raw).__name__}")
+    fields = {k: (Path(str(v)) if k in _PATH_FIELDS and v is not None else v) for k, v in raw.items()}
+    request = request_cls(**fields)
+
+    def on_progress(progress: object) -> None:
+        if ctx.is_publisher:
+            ctx.publish(ProgressEvent(_as_dict(progress)))
+
+    extra: dict[str, object] = {}
+    if ctx.device.type != "cpu":  # GPU-only: the CPU default keeps stand-ins without `device` working
+        extra["device"] = str(ctx.device)
+    before = loaded_modules()
+    try:
+        result = render(
+            request,
+            [RelaySink(ctx)],
+            mode=str(payload.get("mode", "streaming")),
+            resume_state=payload.get("resume_state"),
+            should_cancel=ctx.cancel_requested,
+            on_progress=on_progress,
+            **extra,
+        )
+    except MemoryError as exc:  # host RAM: retryable (a retry resumes after the last commit)
+        raise OutOfMemoryError(
+            f"rank {ctx.rank} ran out of host memory during the render: {exc!r}; the job resumes from its "
+            "last committed chunk on retry (lower the preset's chunk size if it repeats)"
+        ) from exc
+    _jobs_served += 1
+    return {"result": _as_dict(result), "warm": warm_report(before, loaded_modules())}
