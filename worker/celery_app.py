@@ -68,20 +68,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "broker_connection_max_retries": None,
         "broker_connection_timeout": settings.broker_socket_timeout_s,
         "broker_pool_limit": 4,
-        "broker_transport_options": {
-            "visibility_timeout": settings.visibility_timeout_s,
-            "socket_timeout": settings.broker_socket_timeout_s,
-            "socket_connect_timeout": settings.broker_socket_timeout_s,
-            "socket_keepalive": True,
-            "retry_on_timeout": True,
-            "health_check_interval": 10,
-            "max_retries": 10,
-            "interval_start": 0.2,
-            "interval_step": 0.5,
-            "interval_max": 3.0,
-            # message priorities 0..9 map onto Redis sub-queues, 0 consumed first (see enqueue_render)
-            "priority_steps": list(range(10)),
-        },
+        "broker_transport_options": _redis_transport_options(settings)
+        if settings.broker_url.startswith(("redis://", "rediss://"))
+        else {},  # kombu's other transports (sqla for `longtake up`) take no Redis socket options
         # publishing (API, reaper) retries a lost connection for a bounded time
         "task_publish_retry": True,
         "task_publish_retry_policy": {
@@ -90,6 +79,23 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             "interval_step": 0.5,
             "interval_max": 3.0,
         },
+    }
+
+
+def _redis_transport_options(settings: Settings) -> dict[str, Any]:
+    return {
+        "visibility_timeout": settings.visibility_timeout_s,
+        "socket_timeout": settings.broker_socket_timeout_s,
+        "socket_connect_timeout": settings.broker_socket_timeout_s,
+        "socket_keepalive": True,
+        "retry_on_timeout": True,
+        "health_check_interval": 10,
+        "max_retries": 10,
+        "interval_start": 0.2,
+        "interval_step": 0.5,
+        "interval_max": 3.0,
+        # message priorities 0..9 map onto Redis sub-queues, 0 consumed first (see enqueue_render)
+        "priority_steps": list(range(10)),
     }
 
 

@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 if TYPE_CHECKING:
-    from celery import Celery
 
     from worker.client import JobView, LongtakeClient
     from worker.settings import Settings
@@ -399,23 +398,10 @@ def worker_argv(settings: Settings, *, hostname: str | None, loglevel: str | Non
     ]
 
 
-def serverless_broker_fix(celery: Celery, broker_url: str) -> None:
-    """Drop the Redis-only transport options when the broker is not Redis.
-
-    ``worker.celery_app.celery_config`` always sets Redis transport options (visibility timeout,
-    socket timeouts, priority steps); kombu's SQLAlchemy transport used by ``longtake up`` passes
-    transport options to ``create_engine``, which rejects them. Remove once celery_config sets
-    them only for ``redis://`` brokers.
-    """
-    if not broker_url.startswith(("redis://", "rediss://")):
-        celery.conf.broker_transport_options = {}
-
-
 def cmd_worker(args: argparse.Namespace) -> int:
     from worker.celery_app import app
 
     settings = _settings()
-    serverless_broker_fix(app, settings.broker_url)
     app.worker_main(worker_argv(settings, hostname=args.hostname, loglevel=args.loglevel))
     return EXIT_OK
 
@@ -428,7 +414,6 @@ def cmd_api(args: argparse.Namespace) -> int:
 
     settings = _settings()
     celery = create_celery_app(settings)
-    serverless_broker_fix(celery, settings.broker_url)
     app = create_app(settings, celery=celery)
     uvicorn.run(
         app,
@@ -449,24 +434,15 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_reap(args: argparse.Namespace) -> int:
+    from worker.celery_app import create_celery_app, reap_once
     from worker.db import make_engine
     from worker.store import JobStore
 
     settings = _settings()
     store = JobStore(make_engine(settings.database_url), max_attempts=settings.max_attempts)
+    celery = create_celery_app(settings)
     while True:
-        ids = store.requeue_expired()
-        if ids:
-            # a requeued job needs a fresh message: its old one died with its worker
-            from worker.celery_app import create_celery_app, enqueue_render
-
-            celery = create_celery_app(settings)
-            serverless_broker_fix(celery, settings.broker_url)
-            for job_id in ids:
-                rec = store.get(job_id)
-                enqueue_render(
-                    celery, job_id, queue=settings.queue_name, priority=rec.priority if rec is not None else 5
-                )
+        ids = reap_once(store, celery, queue=settings.queue_name)
         print(f"requeued {len(ids)} job(s){': ' + ', '.join(ids) if ids else ''}")
         if args.every is None:
             return EXIT_OK

@@ -285,6 +285,9 @@ def make_env(tmp: Path, database_url: str, broker_url: str, **overrides: str) ->
             "LONGTAKE_DELIVERY_FACTORY": DELIVERY,
             "LONGTAKE_QUEUE_NAME": "longtake-test",
             "LONGTAKE_LEASE_S": "3",
+            # a state with every segment: these tests count renders per fragment (the interval's
+            # re-render-and-verify path is tested in test_delivery_s3.py)
+            "LONGTAKE_STATE_EVERY": "1",
             "LONGTAKE_HEARTBEAT_S": "0.5",
             "LONGTAKE_REAPER_INTERVAL_S": "0.5",
             "LONGTAKE_CANCEL_POLL_S": "0.1",

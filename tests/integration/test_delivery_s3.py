@@ -284,3 +284,41 @@ def test_s3_store_over_http_and_no_retry_on_4xx(moto_s3: MotoServer, tmp_path: P
             time.sleep(0.05)
         sink.close(ok=True)
     assert time.monotonic() - t0 < 5 and sink_info.value.retryable is False
+
+
+@pytest.mark.parametrize("preview", [True, False])
+def test_resume_from_an_older_state_resends_nothing(moto_s3: MotoServer, tmp_path: Path, preview: bool) -> None:  # noqa: F811
+    """States are stored every ``state_every`` segments: a retry restarts after the newest stored
+    state and re-makes committed fragments, which the sink verifies by checksum and never re-sends."""
+    store = moto_s3.store()
+    sample = make_sample(6.0, gop=12, big=True)
+    commits: list[CommittedSegment] = []
+    first = S3ProgressiveSink(store, PREFIX, on_commit=commits.append, preview=preview, state_every=4)
+    run_render(first, sample, stop=11)
+    first.close(ok=False)
+    with_state = [c for c in commits if c.state_key is not None]
+    assert with_state and all(c.index % 4 == 0 for c in with_state)
+    restart = with_state[-1].index + 1
+    assert restart <= commits[-1].index + 1
+    states = [k for k in store.list(PREFIX) if k.rsplit("/", 1)[-1].startswith("state_")]
+    assert len(states) == len(with_state)
+
+    second_commits: list[CommittedSegment] = []
+    second = S3ProgressiveSink(store, PREFIX, committed=list(commits), on_commit=second_commits.append,
+                               preview=preview, state_every=4)
+    run_render(second, sample, start=restart)  # re-makes restart..last committed, then goes on
+    second.close(ok=True)
+    verify_final(store, second, sample, tmp_path)
+    assert [c.index for c in second_commits] == list(range(commits[-1].index + 1, len(sample.fragments)))
+    if preview:
+        assert second.counters.segment_bytes == sum(len(f.data) for f in sample.fragments[commits[-1].index + 1:])
+
+    # a re-made fragment that differs from what was committed is refused, not published
+    third = S3ProgressiveSink(store, PREFIX + "x/", committed=list(commits), on_commit=lambda c: None,
+                              preview=preview, state_every=4)
+    third.open(sample.init)
+    bad = sample.fragments[restart]
+    with pytest.raises(SinkError, match="does not reproduce committed segment"):
+        third.write(type(bad)(bad.index, bad.data + b"!", bad.first_frame, bad.num_frames, bad.start_s,
+                              bad.duration_s))
+    third.close(ok=False)
