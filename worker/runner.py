@@ -272,12 +272,13 @@ class NodeExecutor:
                 )
             value = result.value if isinstance(result.value, dict) else {}
             warm = value.get("warm")
+            rendered = value.get("result") or {}
             log.info(
                 "render done on engine generation %d (rank pids %s): %s",
                 engine.generation,
                 engine.pids,
                 warm,
-                extra={"warm": warm},
+                extra={"warm": warm, "ttff_s": rendered.get("ttff_s"), "wall_s": rendered.get("wall_s")},
             )
             outcome = RenderOutcome(status="succeeded", result=value.get("result"), warm=warm)
             if not relay.closed:

@@ -410,6 +410,12 @@ class JobWorker:
             )
         finally:
             keeper.stop()
+        if first_fragment_at:
+            log.info(
+                "first fragment %.2f s after the claim",
+                first_fragment_at[0] - claimed_at,
+                extra={"claim_to_first_fragment_s": round(first_fragment_at[0] - claimed_at, 3)},
+            )
         if outcome.status == "succeeded" and outcome.result:
             wall = float(outcome.result.get("wall_s") or (time.monotonic() - claimed_at))
             frames = float(outcome.result.get("num_frames") or 0)

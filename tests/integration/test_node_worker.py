@@ -45,6 +45,14 @@ def _warm_reports(log_path: Path) -> list[dict[str, object]]:
     return out
 
 
+def _log_field(log_path: Path, name: str) -> list[object]:
+    out = []
+    for line in log_path.read_text().splitlines():
+        if f'"{name}"' in line:
+            out.append(json.loads(line[line.index("{") :])[name])
+    return out
+
+
 def test_rank_stays_warm_across_jobs_and_a_cancel(jobs_env: JobsEnv) -> None:
     w = jobs_env.start_worker("w1", NODE_THREADS_PER_RANK="1")
     first = jobs_env.submit(seed=61, num_fragments=3, sleep_s=0.02)
@@ -172,6 +180,8 @@ def test_real_pipeline_two_jobs_one_worker_warm_family(jobs_env: JobsEnv) -> Non
         assert abs(float(info["format"]["duration"]) - 1.0) < 0.3, info
     cold, warm = _warm_reports(w.log_path)
     print(f"cold: {cold}\nwarm: {warm}")
+    print("claim -> first fragment (s):", _log_field(w.log_path, "claim_to_first_fragment_s"))
+    print("render ttff (s):", _log_field(w.log_path, "ttff_s"), "wall (s):", _log_field(w.log_path, "wall_s"))
     assert cold["pid"] == warm["pid"] and (cold["jobs_on_rank"], warm["jobs_on_rank"]) == (1, 2)
     assert int(cold["loads_this_job"]) >= 4 and float(cold["load_s_this_job"]) > 0  # type: ignore[arg-type]
     assert warm["loads_this_job"] == 0 and warm["load_s_this_job"] == 0  # the family stayed warm
