@@ -1,5 +1,5 @@
 """The Celery worker renders through its NodeEngine (one CPU rank): the rank process and what it loaded
-stay warm between jobs; a cancel ends the job between chunks and keeps the rank (or kills it after
+stay warm between jobs; a cancel or a lost lease ends the job between chunks and keeps the rank (or kills it after
 the grace period); a SIGKILLed rank requeues the attempt with a reason naming the rank and the job
 then succeeds on a fresh rank; kill -9 of the worker process alone leaves no orphan rank. The last
 test runs the real pipeline (tiny preset) twice through one worker and checks the warm family."""
@@ -129,6 +129,29 @@ def test_killed_rank_requeues_with_reason_then_succeeds(jobs_env: JobsEnv) -> No
     new_rank = _rank_pid(w)
     assert new_rank != rank and pid_alive(w.pid)  # the worker survived, its engine restarted
     assert "requeued" in w.log_path.read_text()
+
+
+def test_lost_lease_stops_the_render_and_keeps_the_rank(jobs_env: JobsEnv) -> None:
+    from sqlalchemy import text
+
+    w = jobs_env.start_worker("w1", NODE_THREADS_PER_RANK="1", LEASE_S="30", HEARTBEAT_S="0.3")
+    job = jobs_env.submit(seed=95, num_fragments=60, sleep_s=0.2)
+    jobs_env.wait_for(job, lambda r: r.chunks_done >= 2, timeout=60)
+    rank = _rank_pid(w)
+    with jobs_env.store.engine.begin() as conn:  # another worker took the job over
+        conn.execute(
+            text("UPDATE jobs SET lease_token = 'stolen', lease_owner = 'w-other' WHERE id = :id"), {"id": job}
+        )
+    deadline = time.monotonic() + 20
+    while "attempt 1 ended: lease_lost" not in w.log_path.read_text():
+        assert time.monotonic() < deadline, w.log_path.read_text()[-3000:]
+        time.sleep(0.1)
+    rendered = sum(1 for seed, _ in jobs_env.renders().elements() if seed == 95)
+    time.sleep(1.0)
+    assert sum(1 for seed, _ in jobs_env.renders().elements() if seed == 95) == rendered < 60  # stopped
+    rec = jobs_env.store.get(job)
+    assert rec is not None and rec.status == "running" and rec.lease_owner == "w-other"  # row left alone
+    assert w.render_pids() == [rank]  # stopped between chunks: the rank stays warm
 
 
 def test_worker_killed_alone_leaves_no_orphan_rank(jobs_env: JobsEnv) -> None:
