@@ -33,7 +33,7 @@ class AudioReader(Protocol):
 
 # provided by the pipeline from the request
 REFERENCE_RGB = Port("reference_rgb", np.ndarray, J, "reference image, HxWx3 uint8 at output size")
-AUDIO = Port("audio", AudioReader, J, "the driving audio")
+AUDIO = Port("audio", AudioReader, J, "the driving audio")  # type: ignore[type-abstract]
 TEXT = Port("text", str, J, "text / scene prompt", optional=True)
 SEED = Port("seed", int, J, "job seed; per-chunk seeds derive from it and the step")
 PLAN = Port("plan", ChunkPlan, J, "the N/I chunk plan")

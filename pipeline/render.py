@@ -110,7 +110,8 @@ def render(
             state = RollingState.restore(resume_state, plan_key=plan_key, device=device)
         else:
             state = RollingState(plan_key=plan_key)
-        encoder = FragmentEncoder(preset.width, preset.height, preset.fps, audio,
+        # x264 "veryfast": ~40% less CPU than "fast" for the same CRF; inference owns the cores
+        encoder = FragmentEncoder(preset.width, preset.height, preset.fps, audio, preset="veryfast",
                                   start_frame=plan.emission_frames(state.next_emission).start
                                   if state.next_emission < plan.num_emissions else plan.num_frames)
         publisher = Publisher(encoder, sinks, asynchronous=mode == "streaming", frame_tap=frame_tap)

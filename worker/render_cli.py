@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from pipeline.errors import RenderError
 from pipeline.inputs import validate_hls_directory, validate_output_path
+from pipeline.media_types import FrameSink
 from pipeline.render import RenderProgress, RenderRequest, render
 from pipeline.sinks import FileSink, HLSDirectorySink
 
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         out = validate_output_path(args.out)
-        sinks = [FileSink(out)]
+        sinks: list[FrameSink] = [FileSink(out)]
         if args.hls is not None:
             sinks.append(HLSDirectorySink(validate_hls_directory(args.hls)))
         request = RenderRequest(image=args.image, audio=args.audio, text=args.text, seed=args.seed,
