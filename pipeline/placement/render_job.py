@@ -122,6 +122,26 @@ def rank_family(ctx: RankContext, preset: str, checkpoint: Path | None) -> Avata
     return AvatarFamily(family_preset, ckpt, device=str(ctx.device), loaded=ctx.modules, on_use=activate)
 
 
+def agreed_cancel(ctx: RankContext) -> Callable[[], bool]:
+    """``should_cancel`` for a sharded render: true on every rank at the same step, or on none.
+
+    The engine's cancel flag is one event seen by all ranks, but each rank polls it on its own
+    clock: one rank could stop before step k while another enters step k's forward and blocks in an
+    all-gather until the group is torn down. The pipeline polls once per step on every rank in the
+    same order, so a MAX all-reduce of the local flags there makes them decide together (one tiny
+    collective per step).
+    """
+    import torch
+    import torch.distributed as dist
+
+    def should_cancel() -> bool:
+        flag = torch.tensor([1 if ctx.cancel_requested() else 0], dtype=torch.int32, device=ctx.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.group)
+        return bool(flag.item())
+
+    return should_cancel
+
+
 def _accepts_family(render: Callable[..., object]) -> bool:
     try:
         return "family" in inspect.signature(render).parameters
@@ -164,6 +184,7 @@ def render_entry_job(ctx: RankContext, payload: Mapping[str, object]) -> dict[st
         checkpoint = getattr(request, "checkpoint", None)
         extra["family"] = rank_family(ctx, str(getattr(request, "preset", "")),
                                       Path(checkpoint) if checkpoint is not None else None)
+    should_cancel = agreed_cancel(ctx) if shard and ctx.world_size > 1 else ctx.cancel_requested
     before = loaded_modules()
     try:
         result = render(
@@ -171,7 +192,7 @@ def render_entry_job(ctx: RankContext, payload: Mapping[str, object]) -> dict[st
             [RelaySink(ctx)],
             mode=str(payload.get("mode", "streaming")),
             resume_state=payload.get("resume_state"),
-            should_cancel=ctx.cancel_requested,
+            should_cancel=should_cancel,
             on_progress=on_progress,
             **extra,
         )

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from bench.inputs import DEMO_IMAGE, speech_wav
-from pipeline.errors import ModuleLoadError
+from pipeline.errors import CancelledError, ModuleLoadError
 from pipeline.media_types import Fragment, InitSegment
 from pipeline.placement.engine import EngineConfig, NodeEngine
 from pipeline.placement.loaders import family_loaders
@@ -123,6 +123,20 @@ def test_two_rank_sharded_render_equals_single_process(
             engine.run(JOB, bad)
         assert engine.pids == pids
 
+        # a cancel mid-render: every rank stops at the same step (agreed_cancel), none is left in an
+        # all-gather, so the job ends as cancelled and the ranks stay up
+        seen: list[object] = []
+        generation = engine.generation
+        with pytest.raises(CancelledError):
+            engine.run(JOB, payload, on_event=seen.append, poll_s=0.02,
+                       should_cancel=lambda: any(isinstance(e, Fragment) for e in seen))
+        assert seen[-1] == SinkClosed(False)
+        assert sum(isinstance(e, Fragment) for e in seen) < 3  # stopped before the end
+        assert engine.pids == pids and engine.generation == generation
+        # only rank 1 sees the request: without agreement rank 0 would block in an all-gather
+        with pytest.raises(CancelledError):
+            engine.run(job_render_rank1_cancels, payload, timeout_s=60)
+        assert engine.pids == pids and engine.generation == generation
         placement = engine.run(job_placement, {}).value
         assert isinstance(placement, dict)
         for name, (sharded, local, full) in placement.items():  # A2V and SR split, encoders whole
@@ -164,3 +178,21 @@ def job_placement(ctx: object, payload: object) -> dict[str, tuple[bool, int, in
 def job_resident_bytes(ctx: object, payload: object) -> dict[str, int]:
     """Rank job: the parker's resident bytes per registered model (after a render)."""
     return dict(ctx.parker.resident_bytes())  # type: ignore[attr-defined]
+
+
+def job_render_rank1_cancels(ctx: object, payload: dict[str, object]) -> object:
+    """Rank job: ``render_entry_job`` where only rank 1 sees a cancel request, from its third poll on
+    (the widest possible skew between ranks' views of the shared cancel flag)."""
+    from pipeline.placement.render_job import render_entry_job
+
+    polls = [0]
+
+    def skewed() -> bool:
+        polls[0] += 1
+        return ctx.rank == 1 and polls[0] >= 3  # type: ignore[attr-defined]
+
+    ctx.cancel_requested = skewed  # type: ignore[attr-defined]
+    try:
+        return render_entry_job(ctx, payload)  # type: ignore[arg-type]
+    finally:
+        del ctx.cancel_requested  # type: ignore[attr-defined]
