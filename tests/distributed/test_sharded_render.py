@@ -10,7 +10,7 @@ on each rank, so only the DiT forwards go through FSDP.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import av
@@ -23,6 +23,7 @@ from pipeline.errors import CancelledError, ModuleLoadError
 from pipeline.media_types import Fragment, InitSegment
 from pipeline.placement.engine import EngineConfig, NodeEngine
 from pipeline.placement.loaders import family_loaders
+from pipeline.placement.rank import RankContext
 from pipeline.placement.relay import SinkClosed
 from pipeline.placement.render_job import ProgressEvent
 from pipeline.render import RenderRequest, render
@@ -162,12 +163,12 @@ def test_four_rank_sharded_parked_render_equals_single_process(
     _check_sharded(4, reference, tmp_path, park=True, extra=parked_after_render)
 
 
-def job_placement(ctx: object, payload: object) -> dict[str, tuple[bool, int, int]]:
+def job_placement(ctx: RankContext, payload: Mapping[str, object]) -> dict[str, tuple[bool, int, int]]:
     """Rank job: per engine module, (FSDP-sharded, local parameter elements, full elements)."""
     from torch.distributed.tensor import DTensor
 
     out = {}
-    for name, module in ctx.modules.items():  # type: ignore[attr-defined]
+    for name, module in ctx.modules.items():
         params = list(module.parameters())
         sharded = any(isinstance(p, DTensor) for p in params)
         local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
@@ -175,12 +176,12 @@ def job_placement(ctx: object, payload: object) -> dict[str, tuple[bool, int, in
     return out
 
 
-def job_resident_bytes(ctx: object, payload: object) -> dict[str, int]:
+def job_resident_bytes(ctx: RankContext, payload: Mapping[str, object]) -> dict[str, int]:
     """Rank job: the parker's resident bytes per registered model (after a render)."""
-    return dict(ctx.parker.resident_bytes())  # type: ignore[attr-defined]
+    return dict(ctx.parker.resident_bytes())
 
 
-def job_render_rank1_cancels(ctx: object, payload: dict[str, object]) -> object:
+def job_render_rank1_cancels(ctx: RankContext, payload: Mapping[str, object]) -> object:
     """Rank job: ``render_entry_job`` where only rank 1 sees a cancel request, from its third poll on
     (the widest possible skew between ranks' views of the shared cancel flag)."""
     from pipeline.placement.render_job import render_entry_job
@@ -189,10 +190,10 @@ def job_render_rank1_cancels(ctx: object, payload: dict[str, object]) -> object:
 
     def skewed() -> bool:
         polls[0] += 1
-        return ctx.rank == 1 and polls[0] >= 3  # type: ignore[attr-defined]
+        return ctx.rank == 1 and polls[0] >= 3
 
-    ctx.cancel_requested = skewed  # type: ignore[attr-defined]
+    ctx.cancel_requested = skewed  # type: ignore[method-assign]  # this job only; restored below
     try:
-        return render_entry_job(ctx, payload)  # type: ignore[arg-type]
+        return render_entry_job(ctx, payload)
     finally:
-        del ctx.cancel_requested  # type: ignore[attr-defined]
+        del ctx.cancel_requested
