@@ -19,7 +19,7 @@ import numpy as np
 from pipeline import ports as P
 from pipeline.encode import FragmentEncoder
 from pipeline.errors import InvalidInputError
-from pipeline.family import get_family
+from pipeline.family import AvatarFamily, get_family
 from pipeline.inputs import AudioSource, load_reference_image
 from pipeline.media_types import FrameSink
 from pipeline.pipeline import ChunkEvent, Mode
@@ -85,15 +85,23 @@ def render(
     on_progress: Callable[[RenderProgress], None] | None = None,
     device: str = "cpu",
     frame_tap: Callable[[int, np.ndarray], None] | None = None,
+    family: AvatarFamily | None = None,
 ) -> RenderResult:
     """Render ``request`` into ``sinks``; see ``docs/architecture.md`` for the contract.
 
     ``frame_tap(first_frame, frames_THWC)`` sees every published frame before encoding (quality
-    metrics, tests); it must not keep the array.
+    metrics, tests); it must not keep the array. ``family``: the models to render with (a NodeEngine
+    rank passes one over its sharded modules); default: this process's warm
+    ``get_family(request.preset, request.checkpoint, device=device)``.
     """
     t0 = time.perf_counter()
     validate_request(request)
-    family = get_family(request.preset, request.checkpoint, device=device)
+    if family is None:
+        family = get_family(request.preset, request.checkpoint, device=device)
+    elif family.preset.name != request.preset:
+        raise InvalidInputError(
+            f"preset={request.preset!r} but the family passed to render() is {family.preset.name!r}: "
+            "request the preset the family (the engine's loaders) was built for", field="preset")
     preset = family.preset
     reference = load_reference_image(Path(request.image), preset.height, preset.width)
     with AudioSource.open(Path(request.audio), model_rate=preset.sample_rate) as audio:

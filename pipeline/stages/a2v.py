@@ -32,7 +32,7 @@ class A2VStage(Stage):
     def modules(self) -> list[object]:
         return [self.dit]
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def setup(self, values: Values) -> None:
         # Reference and text tokens are the same for every step of every chunk: embed them once.
         with self.timings.model("a2v"):
@@ -40,7 +40,7 @@ class A2VStage(Stage):
                 values.get(P.REF_LATENT), values.get_optional(P.TEXT_TOKENS), values.get_optional(P.TEXT_MASK))
         values.put(P.A2V_CONTEXT, tuple(context))
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def run(self, values: Values) -> None:
         step = values.get(P.STEP)
         noise = values.get(P.NOISE)

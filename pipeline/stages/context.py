@@ -29,7 +29,7 @@ class ContextStage(Stage):
     def modules(self) -> list[object]:
         return [m for m in (self.vae, self.audio, self.text) if m is not None]
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def setup(self, values: Values) -> None:
         rgb = values.get(P.REFERENCE_RGB)
         ref_BCTHW = torch.from_numpy(rgb).permute(2, 0, 1)[None, :, None].float().div(127.5).sub(1.0)
@@ -45,7 +45,7 @@ class ContextStage(Stage):
         values.put(P.TEXT_MASK, mask)
         values.put(P.AUDIO_GAIN, loudness_gain(values.get(P.AUDIO), self.sample_rate))
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def run(self, values: Values) -> None:
         step = values.get(P.STEP)
         encoder = self.audio.get()

@@ -26,12 +26,12 @@ class SRStage(Stage):
     def modules(self) -> list[object]:
         return [self.sr]
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def setup(self, values: Values) -> None:
         with self.timings.model("sr"):
             values.put(P.SR_REF_TOKENS, self.sr.get().embed_reference(values.get(P.REF_LATENT)))  # type: ignore[operator]
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def run(self, values: Values) -> None:
         lr = values.get(P.EMISSION_LATENTS)
         ref = values.get(P.REF_LATENT)
