@@ -37,6 +37,8 @@ from pipeline.errors import RenderError
 from pipeline.media_types import Fragment, FrameSink, InitSegment
 
 if TYPE_CHECKING:  # torch is imported only where the engine is used, never by the Celery parent
+    from pathlib import Path
+
     from pipeline.placement.engine import NodeEngine
     from pipeline.placement.rank import RankContext
 
@@ -193,9 +195,18 @@ class NodeExecutor:
     attempt at a time (the worker renders one job at a time across its node)."""
 
     def __init__(
-        self, *, ranks: int, device: str, threads_per_rank: int, start_timeout_s: float = 600.0
+        self,
+        *,
+        ranks: int,
+        device: str,
+        threads_per_rank: int,
+        start_timeout_s: float = 600.0,
+        preset: str = "tiny",
+        checkpoint: Path | None = None,
     ) -> None:
         self.ranks = ranks
+        self.preset = preset
+        self.checkpoint = checkpoint
         self.device = device
         self.threads_per_rank = threads_per_rank
         self.start_timeout_s = start_timeout_s
@@ -207,9 +218,14 @@ class NodeExecutor:
         """The engine (created on first use; ranks spawned by the first ``run``)."""
         if self._engine is None:
             from pipeline.placement.engine import EngineConfig, NodeEngine
+            from pipeline.placement.loaders import family_loaders
 
+            # One rank renders with its own (lazily loaded, warm) family; several ranks shard the
+            # preset's large models across them, loaded once when the engine starts.
+            loaders = family_loaders(self.preset, checkpoint=self.checkpoint) if self.ranks > 1 else {}
             self._engine = NodeEngine(
                 EngineConfig(
+                    loaders=loaders,
                     world_size=self.ranks,
                     device_type=self.device,
                     threads_per_rank=self.threads_per_rank,

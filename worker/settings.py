@@ -132,6 +132,11 @@ class Settings(BaseSettings):
         description="Device type of the ranks; auto = cuda when the NVIDIA driver lists a GPU, else cpu "
         "(decided without initialising CUDA in the worker process)",
     )
+    node_preset: str = Field(
+        default="tiny",
+        description="Model preset the ranks load and shard up front when node_ranks > 1 (jobs for "
+        "another preset then fail with a clear error); with one rank any preset is loaded on first use",
+    )
     node_threads_per_rank: int = Field(
         default=0,
         ge=0,

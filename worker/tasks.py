@@ -252,6 +252,8 @@ class JobWorker:
             ranks=settings.node_ranks,
             device=settings.resolved_node_device(),
             threads_per_rank=settings.resolved_node_threads(),
+            preset=settings.node_preset,
+            checkpoint=settings.checkpoint,
         )
 
     @classmethod
