@@ -8,7 +8,6 @@ fragments go.
 from __future__ import annotations
 
 import logging
-import resource
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from pipeline import ports as P
 from pipeline.encode import FragmentEncoder
 from pipeline.errors import InvalidInputError
 from pipeline.family import AvatarFamily, get_family
+from pipeline.host import peak_rss_bytes
 from pipeline.inputs import AudioSource, load_reference_image
 from pipeline.media_types import FrameSink
 from pipeline.pipeline import ChunkEvent, Mode
@@ -64,20 +64,6 @@ class RenderResult:
     encode_s: float
     num_fragments: int
     random_init: bool
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory. Linux: ``VmHWM`` of the current address space —
-    ``ru_maxrss`` survives ``exec`` and would report the parent's size for a process started by a
-    large one (a test runner, a worker)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def validate_request(request: RenderRequest) -> None:

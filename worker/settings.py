@@ -12,7 +12,6 @@ no servers; production sets ``LONGTAKE_DATABASE_URL``, ``LONGTAKE_BROKER_URL`` a
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Literal
 
@@ -141,7 +140,8 @@ class Settings(BaseSettings):
         default=0,
         ge=0,
         le=1024,
-        description="torch threads per rank; 0 = the CPU cores divided by node_ranks",
+        description="torch threads per rank; 0 = the rank's share of the cores minus one for its "
+        "publisher thread (pipeline.host.default_threads)",
     )
     delivery_factory: str = Field(
         default="worker.tasks:s3_delivery",
@@ -181,7 +181,9 @@ class Settings(BaseSettings):
     def resolved_node_threads(self) -> int:
         if self.node_threads_per_rank:
             return self.node_threads_per_rank
-        return max(1, (os.cpu_count() or 1) // self.node_ranks)
+        from pipeline.host import default_threads
+
+        return default_threads(self.node_ranks)
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
