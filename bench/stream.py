@@ -24,7 +24,8 @@ from bench.inputs import DEMO_IMAGE, speech_wav
 
 def run_once(preset: str, seconds: float, mode: str, threads: int | None, image: Path | None,
              checkpoint: Path | None, seed: int) -> dict[str, object]:
-    from pipeline.render import RenderRequest, default_threads, render
+    from pipeline.host import default_threads
+    from pipeline.render import RenderRequest, render
     from pipeline.sinks import FileSink
 
     torch.set_num_threads(threads or default_threads())
