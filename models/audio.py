@@ -91,7 +91,8 @@ class AudioEncoder(nn.Module):
         mel = self.log_mel(wave_BS)  # (B, n_mels, M)
         windows = mel.unfold(-1, self.mels_per_window, self.mels_per_frame)[:, :, :num_frames]  # (B, n_mels, T, K)
         B, n_mels, T, K = windows.shape
-        x = windows.permute(0, 2, 1, 3).reshape(B * T, n_mels, K)
+        # the DSP runs in float32; the learned layers in the module's dtype
+        x = windows.permute(0, 2, 1, 3).reshape(B * T, n_mels, K).to(self.conv_in.weight.dtype)
         x = F.gelu(self.conv_in(x))
         for conv in self.blocks:
             x = x + F.gelu(conv(x))

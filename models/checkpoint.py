@@ -104,7 +104,12 @@ def load_checkpoint(modules: dict[str, nn.Module], path: str | os.PathLike[str],
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             metadata = dict(f.metadata() or {})
-            file_tensors = {(key_map(k) if key_map else k): f.get_tensor(k) for k in f.keys()}
+            # read only the tensors of the modules asked for (a rank loading one module of a 14b file
+            # must not materialise the others); other keys are only named
+            file_tensors: dict[str, Tensor | None] = {}
+            for raw in f.keys():
+                key = key_map(raw) if key_map else raw
+                file_tensors[key] = f.get_tensor(raw) if key.partition(".")[0] in modules else None
     except Exception as exc:  # safetensors raises several types for a corrupt file
         raise CheckpointError(f"checkpoint file {str(path)!r} is not a readable safetensors file ({exc}): "
                               "re-download or re-save it") from exc
@@ -121,7 +126,7 @@ def load_checkpoint(modules: dict[str, nn.Module], path: str | os.PathLike[str],
                 unexpected.append(key)
             continue
         target = expected[prefix].get(rest)
-        if target is None:
+        if target is None or tensor is None:
             unexpected.append(key)
         elif tuple(target.shape) != tuple(tensor.shape):
             mismatched.append(f"{key} (file {tuple(tensor.shape)}, model {tuple(target.shape)})")

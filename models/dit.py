@@ -51,7 +51,7 @@ class A2VBlock(nn.Module):
         self.norm1 = nn.LayerNorm(d, elementwise_affine=False, eps=cfg.eps)
         self.self_attn = Attention(d, cfg.num_heads, eps=cfg.eps)
         self.norm_ctx = nn.LayerNorm(d, eps=cfg.eps)
-        self.ctx_attn = Attention(d, cfg.num_heads, eps=cfg.eps)
+        self.ctx_attn = Attention(d, cfg.num_heads, context_dim=d, eps=cfg.eps)
         self.norm_audio = nn.LayerNorm(d, eps=cfg.eps)
         self.audio_attn = Attention(d, cfg.num_heads, context_dim=cfg.audio_token_dim, eps=cfg.eps)
         self.norm2 = nn.LayerNorm(d, elementwise_affine=False, eps=cfg.eps)
@@ -100,11 +100,16 @@ class A2VDiT(nn.Module):
             return ref, None
         if self.text_proj is None:
             raise ValueError("text_BND given but this DiT has no text branch (DiTConfig.text_dim is None)")
-        text = self.text_proj(text_BND)
         if text_mask_BN is None:
-            text_mask_BN = torch.ones(text.shape[:2], dtype=torch.bool, device=text.device)
+            text_mask_BN = torch.ones(text_BND.shape[:2], dtype=torch.bool, device=text_BND.device)
+        text_mask_BN = text_mask_BN.to(torch.bool)
+        # drop trailing columns that are padding in every row: masked keys change nothing, they only cost
+        valid_cols = text_mask_BN.any(dim=0).nonzero()
+        n_keep = int(valid_cols.max()) + 1 if valid_cols.numel() else 1
+        text_BND, text_mask_BN = text_BND[:, :n_keep], text_mask_BN[:, :n_keep]
+        text = self.text_proj(text_BND)
         ref_mask = torch.ones(B, ref.shape[1], dtype=torch.bool, device=ref.device)
-        return torch.cat([ref, text], dim=1), torch.cat([ref_mask, text_mask_BN.to(torch.bool)], dim=1)
+        return torch.cat([ref, text], dim=1), torch.cat([ref_mask, text_mask_BN], dim=1)
 
     def forward(self, x_BCThw: Tensor, t_B: Tensor, known_BT: Tensor, frame_index_BT: Tensor, ref_BCHW: Tensor,
                 audio_BTD: Tensor, text_BND: Tensor | None = None, text_mask_BN: Tensor | None = None, *,

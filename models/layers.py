@@ -57,8 +57,9 @@ def apply_rope(x_BHND: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class Attention(nn.Module):
     """Multi-head attention with RMS-normalised queries and keys (stable at large widths).
 
-    Self-attention when ``context`` is None, cross-attention otherwise. ``rope`` applies to queries
-    and keys of self-attention only. ``mask_BM`` (True = attend) masks context keys.
+    Self-attention unless built with ``context_dim`` (cross-attention: keys/values from
+    ``context_BMD``). ``rope`` applies to queries and keys of self-attention. ``mask_BM`` (True =
+    attend) masks keys.
     """
 
     def __init__(self, dim: int, num_heads: int, context_dim: int | None = None, eps: float = 1e-6) -> None:
@@ -66,21 +67,31 @@ class Attention(nn.Module):
         if dim % num_heads:
             raise ValueError(f"dim={dim} not divisible by num_heads={num_heads}")
         self.num_heads = num_heads
-        kv_dim = context_dim or dim
-        self.q = nn.Linear(dim, dim)
-        self.k = nn.Linear(kv_dim, dim)
-        self.v = nn.Linear(kv_dim, dim)
+        self.is_cross = context_dim is not None
+        # fused projections: one matmul for q,k,v (self) or k,v (cross); fewer small kernels on CPU
+        if self.is_cross:
+            self.q = nn.Linear(dim, dim)
+            self.kv = nn.Linear(context_dim or dim, 2 * dim)
+        else:
+            self.qkv = nn.Linear(dim, 3 * dim)
         self.o = nn.Linear(dim, dim)
-        self.norm_q = nn.RMSNorm(dim // num_heads, eps=eps)
-        self.norm_k = nn.RMSNorm(dim // num_heads, eps=eps)
+        # normalised over the full width (contiguous, one kernel) rather than per head
+        self.norm_q = nn.RMSNorm(dim, eps=eps)
+        self.norm_k = nn.RMSNorm(dim, eps=eps)
 
     def forward(self, x_BND: Tensor, context_BMD: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None,
                 mask_BM: Tensor | None = None) -> Tensor:
-        ctx = x_BND if context_BMD is None else context_BMD
+        if self.is_cross:
+            if context_BMD is None:
+                raise ValueError("cross-attention needs context_BMD")
+            q = self.q(x_BND)
+            k, v = self.kv(context_BMD).chunk(2, dim=-1)
+        else:
+            q, k, v = self.qkv(x_BND).chunk(3, dim=-1)
         h = self.num_heads
-        q = self.norm_q(self.q(x_BND).unflatten(-1, (h, -1)).transpose(1, 2))
-        k = self.norm_k(self.k(ctx).unflatten(-1, (h, -1)).transpose(1, 2))
-        v = self.v(ctx).unflatten(-1, (h, -1)).transpose(1, 2)
+        q = self.norm_q(q).unflatten(-1, (h, -1)).transpose(1, 2)
+        k = self.norm_k(k).unflatten(-1, (h, -1)).transpose(1, 2)
+        v = v.unflatten(-1, (h, -1)).transpose(1, 2)
         if rope is not None:
             q = apply_rope(q, *rope)
             k = apply_rope(k, *rope)
@@ -110,7 +121,7 @@ class TransformerBlock(nn.Module):
         self.norm1 = nn.LayerNorm(dim, eps=eps)
         self.attn = Attention(dim, num_heads, eps=eps)
         self.norm_x = nn.LayerNorm(dim, eps=eps) if cross else None
-        self.cross = Attention(dim, num_heads, eps=eps) if cross else None
+        self.cross = Attention(dim, num_heads, context_dim=dim, eps=eps) if cross else None
         self.norm2 = nn.LayerNorm(dim, eps=eps)
         self.ffn = FeedForward(dim, ffn_dim)
 

@@ -292,3 +292,45 @@ def test_checkpoint_errors(tmp_path: Path, preset: ModelPreset, mods: dict[str, 
     junk.write_bytes(b"not a safetensors file")
     with pytest.raises(CheckpointError, match="junk.safetensors"):
         load_checkpoint(mods, junk)
+
+
+def test_large_preset_layout_runs_when_shrunk() -> None:
+    """The 1.3b preset's layout (16 channels, lowres factor 2, non-square 480p latents) runs end to end
+    with widths shrunk so the test stays small: catches shape bugs the tiny square preset cannot."""
+    import dataclasses
+
+    p = get_preset("1.3b")
+    dit_cfg = dataclasses.replace(p.dit, dim=48, num_layers=1, num_heads=2, ffn_dim=64, audio_token_dim=16,
+                                  freq_dim=32)
+    sr_cfg = dataclasses.replace(p.sr, dim=48, num_layers=1, num_heads=2, ffn_dim=64)
+    torch.manual_seed(0)
+    dit, sr = A2VDiT(dit_cfg).eval(), SRDiT(sr_cfg).eval()
+    h, w = 6, 10  # a crop of the 30x52 low-res latent
+    T = 3
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(1, p.latent_channels, h * p.lowres_factor, w * p.lowres_factor, generator=g)
+    with torch.no_grad():
+        v = dit(torch.randn(1, p.latent_channels, T, h, w, generator=g), torch.tensor([0.3]),
+                torch.tensor([[True, False, False]]), torch.arange(T)[None], ref,
+                torch.randn(1, T, p.dit.audio_dim, generator=g))
+        hr = sr(torch.randn(1, p.latent_channels, T, h, w, generator=g), ref)
+    assert v.shape == (1, p.latent_channels, T, h, w)
+    assert hr.shape == (1, p.latent_channels, T, h * p.lowres_factor, w * p.lowres_factor)
+
+
+def test_modules_run_in_bfloat16(preset: ModelPreset) -> None:
+    """GPUs run these in bf16: every module must accept its own dtype end to end (DSP stays fp32)."""
+    m = {k: v.eval().to(torch.bfloat16) for k, v in build_modules(preset, seed=0).items()}
+    bf = torch.bfloat16
+    T, c = 3, preset.latent_channels
+    with torch.no_grad():
+        feats = m["audio"](torch.randn(1, m["audio"].num_samples(T)).to(bf), T)
+        text, mask = m["text"](["hi"])
+        ref = torch.randn(1, c, *preset.hr_latent_hw, dtype=bf)
+        known = torch.tensor([[True, False, False]])
+        v = m["a2v"](torch.randn(1, c, T, *preset.lr_latent_hw, dtype=bf), torch.tensor([0.5], dtype=bf), known,
+                     torch.arange(T)[None], ref, feats, text, mask)
+        hr = m["sr"](torch.randn(1, c, T, *preset.lr_latent_hw, dtype=bf), ref)
+        rgb, cache = m["vae"].decode(torch.randn(1, c, 2, 4, 4, dtype=bf))
+    for out in (feats, text, v, hr, rgb, *cache):
+        assert out.dtype == bf and torch.isfinite(out.float()).all()

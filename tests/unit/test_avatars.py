@@ -1,0 +1,160 @@
+"""The synthetic avatar generator: determinism, identity variety, splits, and ground-truth lip sync
+measured from pixels."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from models.avatars.dataset import (
+    IDENTITY_SPLITS,
+    AvatarClipDataset,
+    AvatarRenderer,
+    MotionTrack,
+    identity_for,
+    render_clip,
+)
+from models.avatars.face import FaceIdentity, FaceRenderer, HeadPose, measure_mouth_opening
+from models.avatars.speech import (
+    HELDOUT_VOICES,
+    SAMPLE_RATE,
+    TRAIN_VOICES,
+    SpeechSynth,
+    espeak_available,
+    mouth_opening_track,
+    parse_wav_bytes,
+    speechlike_signal,
+)
+
+needs_espeak = pytest.mark.skipif(not espeak_available(), reason="espeak-ng is not installed")
+
+
+def test_identity_and_render_are_deterministic() -> None:
+    assert FaceIdentity.sample(42) == FaceIdentity.sample(42)
+    a = FaceRenderer(FaceIdentity.sample(42)).render(HeadPose(2.5, -1.0, 3.0, 1.02), 0.6, 0.3, 0.2)
+    b = FaceRenderer(FaceIdentity.sample(42)).render(HeadPose(2.5, -1.0, 3.0, 1.02), 0.6, 0.3, 0.2)
+    assert a.shape == (256, 256, 3) and a.dtype == np.uint8
+    assert np.array_equal(a, b)
+
+
+def test_identities_differ() -> None:
+    refs = [AvatarRenderer(s).reference().astype(np.float32) for s in range(8)]
+    for i in range(len(refs)):
+        for j in range(i + 1, len(refs)):
+            assert np.abs(refs[i] - refs[j]).mean() > 10.0, (i, j)
+
+
+def test_clip_is_deterministic_and_consistent() -> None:
+    synth = SpeechSynth(use_espeak=False)
+    a = render_clip(7, 3, 30, "train", synth=synth)
+    b = render_clip(7, 3, 30, "train", synth=SpeechSynth(use_espeak=False))
+    assert np.array_equal(a.frames, b.frames) and np.array_equal(a.audio, b.audio)
+    assert a.frames.shape == (30, 256, 256, 3) and a.audio.shape == (30 * SAMPLE_RATE // 25,)
+    assert a.mouth_box.shape == (30, 4) and a.face_box.shape == (30, 4)
+    c = render_clip(7, 4, 30, "train", synth=synth)
+    assert not np.array_equal(a.audio, c.audio)
+    # the identity is stable over time: the reference does not depend on the clip
+    assert np.array_equal(a.reference, c.reference)
+
+
+def test_splits_are_disjoint() -> None:
+    lo, hi = IDENTITY_SPLITS["heldout"]
+    train = {identity_for("train", 0, i) for i in range(200)}
+    held = {identity_for("heldout", 0, i) for i in range(200)}
+    assert all(IDENTITY_SPLITS["train"][0] <= s < IDENTITY_SPLITS["train"][1] for s in train)
+    assert all(lo <= s < hi for s in held)
+    assert not set(TRAIN_VOICES) & set(HELDOUT_VOICES)
+    with pytest.raises(ValueError, match="split='test'"):
+        identity_for("test", 0, 0)
+
+
+def test_motion_is_smooth_and_blinks_happen() -> None:
+    m = MotionTrack(5)
+    poses = [m.pose(t) for t in range(500)]
+    dx = np.array([p.dx for p in poses])
+    ang = np.array([p.angle_deg for p in poses])
+    assert np.abs(np.diff(dx)).max() < 0.6 and np.abs(np.diff(ang)).max() < 0.4
+    assert dx.std() > 0.5  # it does move
+    blinks = np.array([m.blink(t) for t in range(500)])
+    assert (blinks >= 1.0).sum() >= 2 and (blinks == 0).mean() > 0.8
+
+
+def _gt_lipsync(clip_frames: np.ndarray, boxes: np.ndarray, opening: np.ndarray) -> float:
+    measured = measure_mouth_opening(clip_frames, boxes)
+    return float(np.corrcoef(measured, opening)[0, 1])
+
+
+def test_gt_mouth_follows_fallback_audio() -> None:
+    c = render_clip(1_000_003, 9, 100, "heldout", synth=SpeechSynth(use_espeak=False))
+    assert np.allclose(c.mouth_open, mouth_opening_track(c.audio, 100)[: len(c.mouth_open)], atol=0.35)
+    assert _gt_lipsync(c.frames, c.mouth_box, c.mouth_open) >= 0.95
+
+
+@needs_espeak
+@pytest.mark.parametrize("ident", [1_000_000, 1_000_001, 5])
+def test_gt_lipsync_from_pixels_with_espeak(ident: int) -> None:
+    from bench.quality import audio_envelope, lipsync
+
+    c = render_clip(ident, 11, 125, "heldout", synth=SpeechSynth(use_espeak=True))
+    assert c.voice.split("+")[0] in HELDOUT_VOICES
+    measured = measure_mouth_opening(c.frames, c.mouth_box)
+    r0, lag, _ = lipsync(audio_envelope(c.audio, 125), measured)
+    # the clip's audio is cut from a longer utterance: the envelope at the cut edges differs slightly
+    assert r0 >= 0.95 and lag == 0
+    assert _gt_lipsync(c.frames, c.mouth_box, c.mouth_open) >= 0.95
+
+
+def test_mouth_measure_ignores_colour_shift() -> None:
+    c = render_clip(3, 5, 60, "train", synth=SpeechSynth(use_espeak=False))
+    f = c.frames.astype(np.float32)
+    a = measure_mouth_opening(c.frames, c.mouth_box)
+    assert a.max() > 0.5
+    # a colour cast (per-channel gain) keeps the values: thresholds are relative to the box's median
+    cast = np.clip(f * np.array([0.8, 0.9, 1.1]), 0, 255).astype(np.uint8)
+    assert np.abs(measure_mouth_opening(cast, c.mouth_box) - a).mean() < 0.05
+    # a lifted black level compresses them, but lip sync is a correlation: it keeps the shape
+    lifted = np.clip(f * 0.85 + 20, 0, 255).astype(np.uint8)
+    assert np.corrcoef(measure_mouth_opening(lifted, c.mouth_box), a)[0, 1] > 0.98
+
+
+def test_mouth_measure_rejects_bad_shapes() -> None:
+    with pytest.raises(ValueError, match="frames_THW3"):
+        measure_mouth_opening(np.zeros((4, 8, 8)), (0, 0, 4, 4))
+    with pytest.raises(ValueError, match="mouth_box"):
+        measure_mouth_opening(np.zeros((4, 8, 8, 3), np.uint8), np.zeros((3, 4)))
+
+
+def test_fallback_speech_is_deterministic() -> None:
+    a, b = speechlike_signal(3, 2.0), speechlike_signal(3, 2.0)
+    assert a.dtype == np.float32 and a.shape == (2 * SAMPLE_RATE,) and np.array_equal(a, b)
+    track = mouth_opening_track(a, 50)
+    assert track.min() < 0.1 and track.max() > 0.6  # speech bursts and pauses
+
+
+@needs_espeak
+def test_espeak_utterances_deterministic_and_varied() -> None:
+    s = SpeechSynth(use_espeak=True)
+    u1 = s.utterance(4, "train")
+    u2 = SpeechSynth(use_espeak=True).utterance(4, "train")
+    assert np.array_equal(u1.audio, u2.audio) and u1.voice == u2.voice and u1.text == u2.text
+    assert u1.audio.size >= 4 * SAMPLE_RATE and u1.voice.split("+")[0] in TRAIN_VOICES
+    voices = {s.utterance(i, "train").voice.split("+")[0] for i in range(12)}
+    assert len(voices) >= 4
+
+
+def test_parse_wav_rejects_garbage() -> None:
+    with pytest.raises(ValueError, match="not a WAV"):
+        parse_wav_bytes(b"hello world, not a wav")
+
+
+def test_dataset_items() -> None:
+    ds = AvatarClipDataset("train", num_clips=4, num_frames=6, seed=1, use_espeak=False)
+    item = ds[2]
+    assert item["frames"].shape == (6, 256, 256, 3) and str(item["frames"].dtype) == "torch.uint8"
+    assert item["reference"].shape == (256, 256, 3)
+    assert item["audio"].shape == (6 * 640,) and item["mouth_open"].shape == (6,)
+    again = AvatarClipDataset("train", num_clips=4, num_frames=6, seed=1, use_espeak=False)[2]
+    assert bool((item["frames"] == again["frames"]).all())
+    assert int(item["identity"]) < IDENTITY_SPLITS["train"][1]
+    with pytest.raises(IndexError):
+        ds[4]

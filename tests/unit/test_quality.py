@@ -1,0 +1,172 @@
+"""bench.quality: each metric on videos whose answer is known, and the CLI end to end."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench.quality import (
+    QualityMeter,
+    audio_envelope,
+    chunk_boundaries,
+    drift_ratio,
+    lipsync,
+    load_audio,
+    plot,
+    run,
+    seam_score,
+    write_wav,
+)
+from models.avatars.dataset import AvatarRenderer, render_clip
+from models.avatars.face import measure_mouth_opening
+from models.avatars.speech import SAMPLE_RATE, SpeechSynth, speechlike_signal
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def clip() -> object:
+    return render_clip(1_000_002, 21, 150, "heldout", synth=SpeechSynth(use_espeak=False))
+
+
+def test_gt_lipsync_is_in_sync(clip: object) -> None:
+    measured = measure_mouth_opening(clip.frames, clip.mouth_box)  # type: ignore[attr-defined]
+    r0, lag, rb = lipsync(audio_envelope(clip.audio, 150), measured)  # type: ignore[attr-defined]
+    assert r0 >= 0.95 and lag == 0 and rb == r0
+
+
+def test_frozen_video_has_no_lipsync(clip: object) -> None:
+    rng = np.random.default_rng(0)
+    frozen = np.repeat(clip.frames[:1], 150, axis=0).astype(np.int16)  # type: ignore[attr-defined]
+    frozen = np.clip(frozen + rng.integers(-3, 4, frozen.shape), 0, 255).astype(np.uint8)
+    r0, _, _ = lipsync(audio_envelope(clip.audio, 150),  # type: ignore[attr-defined]
+                       measure_mouth_opening(frozen, clip.mouth_box[0]))  # type: ignore[attr-defined]
+    assert abs(r0) < 0.25
+
+
+@pytest.mark.parametrize("shift", [3, -2])
+def test_shifted_video_gives_the_offset(clip: object, shift: int) -> None:
+    measured = measure_mouth_opening(clip.frames, clip.mouth_box)  # type: ignore[attr-defined]
+    shifted = np.roll(measured, shift)  # shift > 0: the video shows each mouth `shift` frames late
+    r0, lag, rb = lipsync(audio_envelope(clip.audio, 150), shifted)  # type: ignore[attr-defined]
+    assert lag == shift and rb > 0.9 and r0 < rb - 0.1
+
+
+def test_lipsync_constant_side_is_zero() -> None:
+    assert lipsync(np.ones(50), np.linspace(0, 1, 50)) == (0.0, 0, 0.0)
+
+
+def _synthetic_meter(seconds: int, drift_per_s: float, seed: int = 0) -> QualityMeter:
+    """A 64x64 'video': textured background, a face square, small noise; the colour of every pixel
+    drifts linearly by ``drift_per_s`` levels per second."""
+    rng = np.random.default_rng(seed)
+    base = rng.integers(40, 200, (64, 64, 3)).astype(np.float32)
+    base[16:48, 20:44] = (200, 150, 120)
+    ref = base.astype(np.uint8)
+    meter = QualityMeter(ref, mouth_box=(26, 38, 38, 44), face_box=(20, 16, 44, 48), fps=25)
+    for t in range(seconds * 25):
+        f = base + drift_per_s * t / 25 * np.array([1.0, 0.6, -0.8]) + rng.normal(0, 1.0, base.shape)
+        meter.add(np.clip(f, 0, 255).astype(np.uint8))
+    return meter
+
+
+def test_drift_ratio_detects_colour_drift() -> None:
+    audio = np.zeros(40 * SAMPLE_RATE, np.float32)
+    drifting = _synthetic_meter(40, 0.15).summary(audio, [])
+    stable = _synthetic_meter(40, 0.0).summary(audio, [])
+    assert drifting["drift_ratio"] > 1.2 and drifting["drift_face_ratio"] > 1.2
+    assert drifting["drift_background_ratio"] > 1.2
+    assert stable["drift_ratio"] <= 1.05
+
+
+def test_drift_ratio_floor_and_windows() -> None:
+    ratio, head, tail = drift_ratio(np.array([0.01] * 10 + [0.5] * 60 + [2.0] * 60))
+    assert (head, tail) == (10, 60) and ratio == pytest.approx(2.0)  # floor 1.0: a perfect start
+    assert drift_ratio(np.array([1.0, 3.0, 3.0]))[1:] == (1, 2)
+
+
+def test_seam_score_sees_injected_jumps() -> None:
+    rng = np.random.default_rng(1)
+    n, bounds = 200, chunk_boundaries(200, 16, 4, 4, True)
+    frames = np.cumsum(rng.normal(0, 1.0, (n, 32, 32, 3)), axis=0) + 128
+    smooth = np.abs(np.diff(frames, axis=0)).mean(axis=(1, 2, 3))
+    d = np.concatenate([[0.0], smooth])
+    assert seam_score(d, bounds) < 1.2
+    jumped = d.copy()
+    jumped[bounds] *= 2.5
+    assert seam_score(jumped, bounds) > 1.5
+    assert np.isnan(seam_score(d, []))
+
+
+def test_chunk_boundaries_follow_the_plan() -> None:
+    assert chunk_boundaries(64, 16, 4, 4, True) == [16, 20, 32, 36, 48, 52]
+    assert chunk_boundaries(64, 16, 4, 4, False) == [16, 32, 48]
+    # a short last chunk shrinks its I span: I_2 makes only [48, 49)
+    assert chunk_boundaries(50, 16, 4, 4, True) == [16, 20, 32, 36, 48, 49]
+
+
+def test_load_audio_roundtrip(tmp_path: Path) -> None:
+    x = speechlike_signal(2, 1.5)
+    write_wav(tmp_path / "a.wav", x)
+    y = load_audio(tmp_path / "a.wav")
+    assert abs(y.size - x.size) <= 32 and np.abs(y[:1000] - x[:1000]).max() < 1e-3
+
+
+def _args(**kw: object) -> argparse.Namespace:
+    base = dict(minutes=0.25, audio=None, ground_truth=False, identity=0, seed=0, chunk_frames=16,
+                context_frames=4, interp_frames=4, render_fn="pipeline.render:render_for_quality")
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_model_mode_calls_render_fn_twice(tmp_path: Path) -> None:
+    """The model path, driven by a render_fn that renders the ground truth (a perfect 'model' whose
+    seams at the plan's boundaries are as good as any other frame)."""
+    calls: list[bool] = []
+
+    def render_fn(image: Path, audio: Path, seconds: float, use_i: bool, out_dir: Path
+                  ) -> tuple[Iterator[np.ndarray], list[int]]:
+        assert image.exists() and audio.exists() and out_dir.is_dir()
+        calls.append(use_i)
+        r = AvatarRenderer(1_000_000, motion_seed=17)
+        pcm = load_audio(audio)
+        n = int(seconds * 25)
+        return (f for f, _ in r.stream(pcm, num_frames=n)), chunk_boundaries(n, 16, 4, 4, use_i)
+
+    out, series, bounds = run(_args(audio=None), render_fn=render_fn)
+    assert calls == [True, False]
+    assert out["mode"] == "model" and out["lipsync_r"] > 0.9 and out["lipsync_offset_frames"] == 0
+    assert 0.7 < float(out["seam_score"]) < 1.4 and 0.7 < float(out["seam_score_without_i"]) < 1.4
+    assert out["drift_ratio"] < 1.2
+    plot(series, tmp_path / "p.png", "test")
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_model_mode_without_renderer_fails_clearly() -> None:
+    with pytest.raises(SystemExit, match="cannot import 'no_such_pkg.render'.*--ground-truth"):
+        run(_args(render_fn="no_such_pkg.render:fn"))
+
+
+def test_cli_ground_truth_json(tmp_path: Path) -> None:
+    x = speechlike_signal(5, 3.0)
+    write_wav(tmp_path / "speech.wav", x)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.quality", "--json", "--ground-truth", "--minutes", "0.2",
+         "--audio", str(tmp_path / "speech.wav"), "--plot", str(tmp_path / "q.png")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    for key in ("lipsync_r", "lipsync_offset_frames", "drift_ratio", "drift_face_ratio",
+                "drift_background_ratio", "seam_score", "seam_score_without_i"):
+        assert key in out
+    assert out["frames"] == 300 and out["lipsync_r"] >= 0.95 and out["lipsync_offset_frames"] == 0
+    assert out["drift_ratio"] <= 1.1
+    assert (tmp_path / "q.png").exists()
