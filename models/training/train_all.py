@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--stage", choices=["all", "cache", "decoder", "assemble"], default="all",
                    help="run one stage only (cache: --worker/--num-workers build shards in parallel)")
+    p.add_argument("--stage-minutes", type=float, default=None, help="with --stage decoder: its own budget")
     p.add_argument("--worker", type=int, default=0)
     p.add_argument("--num-workers", type=int, default=1)
     p.add_argument("--preset", default="tiny")
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.stage == "decoder":
         train_decoder(preset, final_vae(preset, a.cache_dir), a.cache_dir / "vae_decoder_state.pt",
-                      minutes=a.minutes_budget * SHARES["decoder"], seed=a.seed)
+                      minutes=a.stage_minutes or a.minutes_budget * SHARES["decoder"], seed=a.seed)
         return 0
     if a.stage == "assemble":
         assemble_checkpoint(preset, a.cache_dir, out, a.seed, extra)

@@ -144,7 +144,7 @@ def finalize_vae(vae: CausalVAE, preset: ModelPreset, count: int = 32, seed: int
 
 
 def train_decoder(preset: ModelPreset, vae: CausalVAE, state_path: Path, *, minutes: float, seed: int = 0,
-                  batch: int = 2, lr: float = 5e-4, log_every: int = 10, save_every_s: float = 120.0,
+                  batch: int = 2, lr: float = 1.5e-3, log_every: int = 10, save_every_s: float = 120.0,
                   eval_frames: int = 16, threads: int | None = None) -> dict[str, float]:
     """Fine-tune only the decoder of the final (frozen-encoder) VAE on full frames.
 

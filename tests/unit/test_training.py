@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -115,3 +116,25 @@ def test_a2v_and_sr_train_resume_and_assemble(cache: Path) -> None:
     blob = torch.load(cache / "a2v_state.pt", weights_only=False)
     assert torch.equal(fresh["a2v"].state_dict()["head.weight"], blob["modules"]["ema_a2v"]["head.weight"])
     assert load_state(cache / "sr_state.pt", {"sr": build_modules(p)["sr"]}).step == s1["steps"]
+
+
+def test_stream_renderer_follows_the_chunk_plan() -> None:
+    from models.training.evaluate import StreamRenderer
+
+    p = small_preset()
+    mods = build_modules(p, seed=1)
+    zero_past_taps(mods["vae"])  # per-frame decoder (as trained): frames compare position by position
+    for mod in mods.values():
+        mod.eval()
+    L, e = p.chunk_frames, p.interp_frames
+    n = 2 * L + 5  # N0, N1, a short N2 (and I0, I1)
+    ref = (np.random.default_rng(0).random((64, 64, 3)) * 255).astype(np.uint8)
+    audio = np.random.default_rng(1).standard_normal(n * 640).astype(np.float32) * 0.1
+    with_i = list(StreamRenderer(mods, p).frames(ref, audio, n, True))
+    without = list(StreamRenderer(mods, p).frames(ref, audio, n, False))
+    assert len(with_i) == len(without) == n and with_i[0].shape == (64, 64, 3) and with_i[0].dtype == np.uint8
+    same = [bool(np.array_equal(a, b)) for a, b in zip(with_i, without, strict=True)]
+    # I_0 replaces N_1[0:e], I_1 replaces N_2[0:e]; everything else comes from the same N chunks
+    assert same == [not (L <= t < L + e or 2 * L <= t < 2 * L + e) for t in range(n)]
+    again = list(StreamRenderer(mods, p).frames(ref, audio, n, True))
+    assert all(np.array_equal(a, b) for a, b in zip(with_i, again, strict=True))  # seeded noise
