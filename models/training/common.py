@@ -99,21 +99,22 @@ class LossLog:
     def __init__(self, path: Path, name: str) -> None:
         self.path, self.name = path, name
         self.sums: dict[str, float] = {}
-        self.count = 0
+        self.counts: dict[str, int] = {}
 
     def add(self, **values: float) -> None:
         for k, v in values.items():
             self.sums[k] = self.sums.get(k, 0.0) + float(v)
-        self.count += 1
+            self.counts[k] = self.counts.get(k, 0) + 1
 
     def flush(self, step: int, elapsed_s: float) -> dict[str, float]:
-        means = {k: v / max(self.count, 1) for k, v in self.sums.items()}
+        """Mean of each key over the steps that reported it since the last flush."""
+        means = {k: v / self.counts[k] for k, v in self.sums.items()}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as f:
             f.write(json.dumps({"trainer": self.name, "step": step, "elapsed_s": round(elapsed_s, 1), **means}) + "\n")
         log.info("%s step %d (%.0f s): %s", self.name, step, elapsed_s,
                  " ".join(f"{k}={v:.5f}" for k, v in means.items()))
-        self.sums, self.count = {}, 0
+        self.sums, self.counts = {}, {}
         return means
 
 

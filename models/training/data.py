@@ -55,8 +55,13 @@ class FrameSampler:
         return r
 
     def batch(self, gen: torch.Generator, batch: int, crop: int | None = None) -> torch.Tensor:
+        return self.batch_with_reference(gen, batch, crop)[0]
+
+    def batch_with_reference(self, gen: torch.Generator, batch: int, crop: int | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(frames, the identities' neutral reference frames), both ``(B, 3, 1, S, S)``."""
         lo, hi = IDENTITY_SPLITS[self.split]
-        out = []
+        out, refs = [], []
         for _ in range(batch):
             u = torch.rand(5, generator=gen).tolist()
             ident = lo + int(torch.randint(hi - lo, (1,), generator=gen))
@@ -68,11 +73,12 @@ class FrameSampler:
             if u[3] < 0.1:  # the neutral reference frame itself (what the pipeline encodes)
                 img = r.reference()
             x = to_unit(img)
+            refs.append(to_unit(r.reference()))
             if crop is not None and crop < self.size:
                 y0, x0 = (int(v) for v in torch.randint(0, (self.size - crop) // 8 + 1, (2,), generator=gen) * 8)
                 x = x[:, y0 : y0 + crop, x0 : x0 + crop]
             out.append(x)
-        return torch.stack(out)[:, :, None]
+        return torch.stack(out)[:, :, None], torch.stack(refs)[:, :, None]
 
 
 def heldout_frames(count: int, size: int = 256, seed: int = 12345) -> torch.Tensor:

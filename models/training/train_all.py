@@ -10,7 +10,8 @@ same command after an interruption; finished stages are skipped because their bu
 4. SR (``train_sr``);
 5. the VAE decoder alone, encoder frozen (``train_decoder``; it does not change the latents, so it
    may also run in parallel with 3-4, see docs/training.md);
-6. ``assemble_checkpoint``: EMA weights of every trained module, the text encoder at its seeded
+6. the decoder again, on the frozen SR model's outputs (``chain_decoder``: what the pipeline decodes);
+7. ``assemble_checkpoint``: EMA weights of every trained module, the text encoder at its seeded
    init, into ``models/checkpoints/<preset>.safetensors`` with metadata (steps, losses, seed, commit).
 """
 
@@ -36,7 +37,7 @@ from models.vae import CausalVAE
 log = logging.getLogger(__name__)
 
 # share of the budget per stage (the cache build is not budgeted: its size is fixed by the clip count)
-SHARES = {"vae": 0.25, "a2v": 0.45, "sr": 0.15, "decoder": 0.15}
+SHARES = {"vae": 0.2, "a2v": 0.45, "sr": 0.15, "decoder": 0.1, "chain": 0.1}
 
 
 def final_vae(preset: ModelPreset, cache_dir: Path) -> CausalVAE:
@@ -54,6 +55,20 @@ def final_vae(preset: ModelPreset, cache_dir: Path) -> CausalVAE:
     return vae.eval().requires_grad_(False)
 
 
+def chain_decoder(preset: ModelPreset, cache_dir: Path, minutes: float, seed: int) -> dict[str, float]:
+    """Last VAE stage: the decoder (from the decoder-only stage if it ran) fine-tuned on the frozen
+    EMA SR model's outputs, i.e. on exactly what the pipeline decodes."""
+    state = cache_dir / "vae_chain_state.pt"
+    vae = final_vae(preset, cache_dir)
+    dec_state = cache_dir / "vae_decoder_state.pt"
+    if not state.is_file() and dec_state.is_file():
+        vae.load_state_dict(torch.load(dec_state, map_location="cpu", weights_only=False)["modules"]["vae"])
+    sr = build_modules(preset, seed)["sr"]
+    sr.load_state_dict(torch.load(cache_dir / "sr_state.pt", map_location="cpu", weights_only=False)["modules"]["ema_sr"])
+    sr.eval().requires_grad_(False)
+    return train_decoder(preset, vae, state, minutes=minutes, seed=seed, sr=sr)
+
+
 def _state(path: Path) -> TrainState:
     blob = torch.load(path, map_location="cpu", weights_only=False)
     return TrainState(**blob["state"])
@@ -64,7 +79,10 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
     """Collect the trained weights (EMA where kept) into one safetensors checkpoint; returns metadata."""
     mods = build_modules(preset, seed)
     dec_state = cache_dir / "vae_decoder_state.pt"
-    if dec_state.is_file():  # decoder fine-tuned after the encoder froze (same encoder weights)
+    chain_state = cache_dir / "vae_chain_state.pt"
+    if chain_state.is_file():  # decoder fine-tuned on SR outputs (same encoder weights)
+        vae_sd = torch.load(chain_state, map_location="cpu", weights_only=False)["modules"]["vae"]
+    elif dec_state.is_file():  # decoder fine-tuned after the encoder froze (same encoder weights)
         vae_sd = torch.load(dec_state, map_location="cpu", weights_only=False)["modules"]["vae"]
     else:
         vae_sd = final_vae(preset, cache_dir).state_dict()
@@ -86,6 +104,11 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
             "vae_decoder_minutes": f"{_state(dec_state).elapsed_s / 60:.1f}",
             "vae_decoder_heldout_psnr_db": f"{_state(dec_state).extra.get('heldout_psnr_db', float('nan')):.2f}"}
            if dec_state.is_file() else {}),
+        **({"vae_chain_steps": str(_state(chain_state).step),
+            "vae_chain_minutes": f"{_state(chain_state).elapsed_s / 60:.1f}",
+            "chain_heldout_psnr_db_start": f"{_state(chain_state).extra.get('start_psnr_db', float('nan')):.2f}",
+            "chain_heldout_psnr_db": f"{_state(chain_state).extra.get('heldout_psnr_db', float('nan')):.2f}"}
+           if chain_state.is_file() else {}),
         "a2v_steps": str(st_a.step), "a2v_minutes": f"{st_a.elapsed_s / 60:.1f}",
         "a2v_final_loss": f"{st_a.losses[-1]:.4f}" if st_a.losses else "nan",
         "sr_steps": str(st_s.step), "sr_minutes": f"{st_s.elapsed_s / 60:.1f}",
@@ -99,7 +122,7 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--stage", choices=["all", "cache", "decoder", "assemble"], default="all",
+    p.add_argument("--stage", choices=["all", "cache", "decoder", "chain", "assemble"], default="all",
                    help="run one stage only (cache: --worker/--num-workers build shards in parallel)")
     p.add_argument("--stage-minutes", type=float, default=None, help="with --stage decoder: its own budget")
     p.add_argument("--worker", type=int, default=0)
@@ -127,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         train_decoder(preset, final_vae(preset, a.cache_dir), a.cache_dir / "vae_decoder_state.pt",
                       minutes=a.stage_minutes or a.minutes_budget * SHARES["decoder"], seed=a.seed)
         return 0
+    if a.stage == "chain":
+        chain_decoder(preset, a.cache_dir, a.stage_minutes or a.minutes_budget * SHARES["chain"], a.seed)
+        return 0
     if a.stage == "assemble":
         assemble_checkpoint(preset, a.cache_dir, out, a.seed, extra)
         return 0
@@ -140,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
              minutes=a.minutes_budget * SHARES["sr"], seed=a.seed)
     train_decoder(preset, final_vae(preset, a.cache_dir), a.cache_dir / "vae_decoder_state.pt",
                   minutes=a.minutes_budget * SHARES["decoder"], seed=a.seed)
+    chain_decoder(preset, a.cache_dir, a.minutes_budget * SHARES["chain"], a.seed)
     assemble_checkpoint(preset, a.cache_dir, out, a.seed, extra)
     log.info("train_all finished in %.1f min (this invocation; cache build ended at %.1f min)",
              (time.monotonic() - t0) / 60, (t_cache - t0) / 60)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from models.presets import ModelPreset, get_preset
 from models.training.common import (
@@ -69,10 +70,15 @@ def vae_loss(vae: CausalVAE, x: torch.Tensor, gen: torch.Generator, kl_weight: f
 
 
 @torch.no_grad()
-def heldout_psnr(vae: CausalVAE, frames: torch.Tensor, batch: int = 4) -> float:
+def heldout_psnr(vae: CausalVAE, frames: torch.Tensor, sr: nn.Module | None = None, batch: int = 4) -> float:
+    """PSNR of encode -> decode (or, with ``sr``, encode -> to_lowres -> SR -> decode, the reference
+    being the frame itself) on held-out frames."""
     outs = []
     for i in range(0, frames.shape[0], batch):
-        y, _ = vae.decode(vae.encode(frames[i : i + batch]))
+        z = vae.encode(frames[i : i + batch])
+        if sr is not None:
+            z = sr(vae.to_lowres(z), z[:, :, 0])
+        y, _ = vae.decode(z)
         outs.append(y)
     return psnr(torch.cat(outs), frames)
 
@@ -145,8 +151,13 @@ def finalize_vae(vae: CausalVAE, preset: ModelPreset, count: int = 32, seed: int
 
 def train_decoder(preset: ModelPreset, vae: CausalVAE, state_path: Path, *, minutes: float, seed: int = 0,
                   batch: int = 2, lr: float = 1.5e-3, log_every: int = 10, save_every_s: float = 120.0,
-                  eval_frames: int = 16, threads: int | None = None) -> dict[str, float]:
+                  eval_frames: int = 16, threads: int | None = None, sr: nn.Module | None = None,
+                  sr_noise: float = 0.1) -> dict[str, float]:
     """Fine-tune only the decoder of the final (frozen-encoder) VAE on full frames.
+
+    With ``sr`` (a trained, frozen SR model) the decoder learns to decode what the pipeline actually
+    feeds it: ``sr(to_lowres(encode(x)) + noise, encode(reference))``, never the encoder's latents
+    (the pipeline decodes only SR outputs), so it can undo some of the SR's blur.
 
     The latents the A2V and SR models are trained on depend only on the encoder, so this runs while
     they train. Full frames (not crops) so the decoder's group norms see inference statistics.
@@ -163,17 +174,22 @@ def train_decoder(preset: ModelPreset, vae: CausalVAE, state_path: Path, *, minu
     losses = LossLog(state_path.with_suffix(".jsonl"), "vae_decoder")
     frames = heldout_frames(eval_frames, preset.height) if eval_frames else None
     if frames is not None and "start_psnr_db" not in st.extra:
-        st.extra["start_psnr_db"] = heldout_psnr(vae.eval(), frames)
+        st.extra["start_psnr_db"] = heldout_psnr(vae.eval(), frames, sr)
     last_save = budget.elapsed_s
     vae.decoder.train()
     while not budget.done():
         gen = step_generator(seed, st.step, 3)
-        x = sampler.batch(gen, batch)
+        x, refs = sampler.batch_with_reference(gen, batch)
         for g in opt.param_groups:
             g["lr"] = cosine_lr(lr, budget.fraction, warmup=0.0)
         with torch.no_grad():
             mean, logvar = vae.encode_moments(x)
-            z = mean + torch.exp(0.5 * logvar) * torch.randn(mean.shape, generator=gen)
+            if sr is None:
+                z = mean + torch.exp(0.5 * logvar) * torch.randn(mean.shape, generator=gen)
+            else:
+                lr_z = vae.to_lowres(mean)
+                sig = torch.rand(lr_z.shape[0], 1, 1, 1, 1, generator=gen) * sr_noise
+                z = sr(lr_z + sig * torch.randn(lr_z.shape, generator=gen), vae.encode(refs)[:, :, 0])
         y, _ = vae.decode(z, clamp=False)
         l1, mse, edge = (y - x).abs().mean(), F.mse_loss(y, x), edge_loss(y, x)
         loss = l1 + 2.0 * mse + 0.5 * edge
@@ -194,7 +210,7 @@ def train_decoder(preset: ModelPreset, vae: CausalVAE, state_path: Path, *, minu
     vae.eval()
     st.elapsed_s = budget.elapsed_s
     if frames is not None:
-        st.extra["heldout_psnr_db"] = heldout_psnr(vae, frames)
+        st.extra["heldout_psnr_db"] = heldout_psnr(vae, frames, sr)
         log.info("vae decoder: held-out PSNR %.2f -> %.2f dB after %d steps", st.extra["start_psnr_db"],
                  st.extra["heldout_psnr_db"], st.step)
     save_state(state_path, {"vae": vae}, opt, st)

@@ -16,7 +16,7 @@ from models.presets import ModelPreset, get_preset
 from models.training.common import load_state, step_generator
 from models.training.data import FrameSampler, LatentClips, build_latent_cache
 from models.training.train_a2v import A2VBatcher, train_a2v
-from models.training.train_all import assemble_checkpoint, final_vae
+from models.training.train_all import assemble_checkpoint, chain_decoder, final_vae
 from models.training.train_sr import train_sr
 from models.training.train_vae import finalize_vae, train_vae, vae_loss, zero_past_taps
 from models.vae import CausalVAE
@@ -116,6 +116,15 @@ def test_a2v_and_sr_train_resume_and_assemble(cache: Path) -> None:
     blob = torch.load(cache / "a2v_state.pt", weights_only=False)
     assert torch.equal(fresh["a2v"].state_dict()["head.weight"], blob["modules"]["ema_a2v"]["head.weight"])
     assert load_state(cache / "sr_state.pt", {"sr": build_modules(p)["sr"]}).step == s1["steps"]
+    # last stage: the decoder on SR outputs; the checkpoint then takes its VAE from there
+    c = chain_decoder(p, cache, minutes=0.03, seed=0)
+    assert c["steps"] >= 1 and 0 < c["heldout_psnr_db"] < 60
+    meta = assemble_checkpoint(p, cache, out, seed=0)
+    assert meta["vae_chain_steps"] == str(c["steps"])
+    chained = torch.load(cache / "vae_chain_state.pt", weights_only=False)["modules"]["vae"]
+    fresh = build_modules(p, seed=5)
+    load_checkpoint(fresh, out)
+    assert all(torch.equal(v, chained[k]) for k, v in fresh["vae"].state_dict().items())
 
 
 def test_stream_renderer_follows_the_chunk_plan() -> None:
