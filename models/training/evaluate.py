@@ -7,8 +7,10 @@ calls :func:`render_for_quality` twice (with and without I chunks). It runs the 
 pipeline's stages, in-process and without the MP4 encoder, so a 10-minute score costs only model time.
 Importing ``pipeline.schedule`` is the only framework dependency (pure arithmetic, no torch state).
 
-``LONGTAKE_EVAL_FIX`` (environment) selects an inference-side drift fix to measure, none by default:
-``border`` shifts each generated N chunk's low-res latents, per channel, so that their mean over the
+``LONGTAKE_EVAL_FIX`` (environment, comma-separated) selects inference-side fixes to measure, none by
+default: ``refctx`` gives N_0 the reference's low-res latent as one known frame in front of its window
+(the pipeline's N_0 has no known frame; the A2V DiT cannot place reference content spatially without
+one, see docs/training.md); ``border`` shifts each generated N chunk's low-res latents, per channel, so that their mean over the
 frame border (background: the head never reaches it) equals the reference latent's.
 ``LONGTAKE_EVAL_CHECKPOINT`` overrides the checkpoint (default models/checkpoints/tiny.safetensors).
 """
@@ -70,6 +72,11 @@ class StreamRenderer:
             if step.kind is ChunkKind.I and not use_i:
                 continue
             win = step.window
+            known_mask = step.known_mask()
+            refctx = "refctx" in self.fix and step.kind is ChunkKind.N and step.index == 0
+            if refctx:  # N_0 with the reference's low-res latent as one known frame in front
+                win = range(win.start - 1, win.stop)
+                known_mask = [True] + known_mask
             s0, s1 = (win.start - pad) * spf, (win.stop + pad) * spf
             seg = torch.zeros(s1 - s0)
             lo, hi = max(0, s0), min(wave.numel(), s1)
@@ -78,10 +85,11 @@ class StreamRenderer:
             feats = m["audio"](seg[None], len(win))
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + win.start * 3 + (step.kind is ChunkKind.I))
             noise = torch.randn((1, p.latent_channels, len(win), h, w), generator=gen)
-            known_mask = step.known_mask()
             known_BT = torch.tensor([known_mask])
             known = torch.zeros_like(noise)
-            if step.known:
+            if refctx:
+                known[:, :, 0] = ref_lr
+            elif step.known:
                 pos = [i for i, k in enumerate(known_mask) if k]
                 assert last_n is not None
                 if step.kind is ChunkKind.N:
@@ -99,7 +107,7 @@ class StreamRenderer:
             g0 = step.generate.start - win.start
             gen_lat = x0[:, :, g0 : g0 + len(step.generate)]
             if step.kind is ChunkKind.N:
-                if self.fix == "border":
+                if "border" in self.fix:
                     shift = gen_lat[:, :, :, mask].mean(dim=(2, 3)) - ref_border
                     gen_lat = gen_lat - shift[:, :, None, None, None]
                 prev_last = last_n[:, :, -1:] if last_n is not None else None

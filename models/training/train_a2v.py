@@ -67,15 +67,24 @@ class A2VBatcher:
         if clips.clip_frames < C + L:
             raise ValueError(f"cached clips have {clips.clip_frames} frames; the N window needs C+L={C + L}: "
                              "rebuild the cache with longer clips")
-        self.kinds = {"N": (C + L, list(range(C))), "N0": (L, []), "I": (e + 2, [0, e + 1])}
+        self.kinds = {"N": (C + L, list(range(C))), "N0": (L, []), "I": (e + 2, [0, e + 1]),
+                      "R": (1 + L, [0])}
+        self.ref_lr = lowres(clips.ref[:, None], preset.lowres_factor)[:, 0]  # (N, C, h, w)
 
-    def draw_kind(self, gen: torch.Generator, probs: tuple[float, float, float] = (0.55, 0.1, 0.35)) -> str:
+    def draw_kind(self, gen: torch.Generator,
+                  probs: tuple[tuple[str, float], ...] = (("N", 0.5), ("I", 0.3), ("R", 0.15), ("N0", 0.05))) -> str:
         u = float(torch.rand(1, generator=gen))
-        return "N" if u < probs[0] else ("N0" if u < probs[0] + probs[1] else "I")
+        for kind, pr in probs:
+            if u < pr:
+                return kind
+            u -= pr
+        return probs[-1][0]
 
     def batch(self, gen: torch.Generator, kind: str, size: int) -> dict[str, torch.Tensor]:
         T, known_pos = self.kinds[kind]
         n_clips, t_clip = self.clips.num_clips, self.clips.clip_frames
+        # an R window takes L clip frames and puts the reference in front; the audio of that slot is
+        # the audio before the clip's first frame (any audio: the frame is known)
         idx = torch.randint(n_clips, (size,), generator=gen)
         start = torch.randint(t_clip - T + 1, (size,), generator=gen)
         x0 = torch.stack([self.lr[i, s : s + T] for i, s in zip(idx.tolist(), start.tolist(), strict=True)])
@@ -90,6 +99,8 @@ class A2VBatcher:
         sig = torch.rand(size, 1, 1, 1, 1, generator=gen) * self.context_noise
         bias = torch.randn(size, x0.shape[1], 1, 1, 1, generator=gen) * self.context_offset
         bias = bias * (torch.rand(size, 1, 1, 1, 1, generator=gen) < 0.5)
+        if kind == "R":  # the first chunk with the reference's low-res latent as its one context frame
+            x0[:, :, 0] = self.ref_lr[idx]
         ctx = x0 + sig * torch.randn(x0.shape, generator=gen) + bias
         return {"x0": x0, "ctx": ctx, "wave": waves, "known": known, "frame_index": frame_index,
                 "ref": self.clips.ref[idx], "mouth": self.clips.mouth[idx]}
