@@ -86,13 +86,16 @@ def test_latent_cache_layout_and_windows(cache: Path) -> None:
     assert clips.hr.shape == (3, 20, 8, 8, 8) and clips.ref.shape == (3, 8, 8, 8)
     assert clips.audio.shape == (3, (20 + 4) * 640)
     b = A2VBatcher(clips, p)
-    for kind, (t, known) in {"N": (20, 4), "N0": (16, 0), "I": (6, 2)}.items():
+    for kind, (t, known) in {"N": (20, 4), "N0": (16, 0), "I": (6, 2), "R": (17, 1)}.items():
         batch = b.batch(step_generator(1, 0), kind, 2)
         assert batch["x0"].shape == (2, 8, t, 2, 2)
         assert batch["wave"].shape == (2, (t + 4) * 640)
         assert int(batch["known"][0].sum()) == known
     i = b.batch(step_generator(1, 0), "I", 1)["known"][0]
     assert bool(i[0]) and bool(i[-1]) and not bool(i[1:-1].any())
+    r = b.batch(step_generator(1, 0), "R", 1)  # the reference's low-res latent is the known frame
+    ident = int((clips.ref == r["ref"][0]).flatten(1).all(dim=1).nonzero()[0])
+    assert torch.equal(r["x0"][0, :, 0], b.ref_lr[ident])
 
 
 def test_a2v_and_sr_train_resume_and_assemble(cache: Path) -> None:
