@@ -30,6 +30,8 @@ services:
 	@bash ops/ci/services.sh
 
 test: $(STAMP) sysdeps services
+	$(BIN)/ruff check pipeline models worker bench tests
+	$(BIN)/mypy
 	$(BIN)/pytest -q tests
 
 test-fast: $(STAMP)
@@ -37,7 +39,6 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check pipeline models worker bench tests
-	$(BIN)/ruff format --check pipeline models worker bench tests
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from models.audio import AudioEncoder
 from models.checkpoint import build_modules
 from models.dit import A2VDiT
 from models.presets import get_preset
@@ -72,6 +73,7 @@ def main() -> None:
         mods = {k: m.eval().to(dtype) for k, m in build_modules(p, seed=0).items()}
     dit, sr, vae, audio = mods["a2v"], mods["sr"], mods["vae"], mods["audio"]
     assert isinstance(dit, A2VDiT) and isinstance(sr, SRDiT) and isinstance(vae, CausalVAE)
+    assert isinstance(audio, AudioEncoder)
     L, C, e, c = p.chunk_frames, p.context_frames, p.interp_frames, p.latent_channels
     sampler = FlowMatchEulerSampler(p.num_steps, p.shift)
     g = torch.Generator().manual_seed(0)
@@ -95,7 +97,9 @@ def main() -> None:
         def run() -> object:
             with torch.inference_mode():
                 ctx = dit.embed_context(ref, text_tokens, text_mask)
-                return sampler.sample(lambda xt, t: dit(xt, t, known, fi, ref, feats, context=ctx), x, x, known)
+                return sampler.sample(
+                    lambda xt, t: dit(xt, t, known, fi, ref, feats, context=ctx), x, x, known
+                )
 
         return run
 
@@ -123,7 +127,10 @@ def main() -> None:
             return vae.decode(z, cache)
 
     timed = {
-        "audio (N+I windows)": [_time(audio_feats(C + L), args.repeats, sync), _time(audio_feats(e + 2), args.repeats, sync)],
+        "audio (N+I windows)": [
+            _time(audio_feats(C + L), args.repeats, sync),
+            _time(audio_feats(e + 2), args.repeats, sync),
+        ],
         f"a2v N chunk ({p.num_steps} steps x {C + L} frames)": [_time(a2v(C + L), args.repeats, sync)],
         f"a2v I chunk ({p.num_steps} steps x {e + 2} frames)": [_time(a2v(e + 2), args.repeats, sync)],
         f"sr ({L} frames)": [_time(run_sr, args.repeats, sync)],
@@ -132,16 +139,22 @@ def main() -> None:
     wall = {k: sum(w for w, _ in v) for k, v in timed.items()}
     cpu = {k: sum(c for _, c in v) for k, v in timed.items()}
     total, total_cpu = sum(wall.values()), sum(cpu.values())
-    print(f"preset={p.name} {p.width}x{p.height}@{p.fps} device={device} dtype={args.dtype} "
-          f"threads={args.threads} L={L} C={C} e={e} "
-          f"steps={p.num_steps} repeats={args.repeats} (min over repeats)")
+    print(
+        f"preset={p.name} {p.width}x{p.height}@{p.fps} device={device} dtype={args.dtype} "
+        f"threads={args.threads} L={L} C={C} e={e} "
+        f"steps={p.num_steps} repeats={args.repeats} (min over repeats)"
+    )
     print(f"  {'module (per emission of L frames)':<42s} {'wall ms/frame':>14s} {'cpu ms/frame':>13s}")
     for name in timed:
-        print(f"  {name:<42s} {1000 * wall[name] / L:14.2f} {1000 * cpu[name] / L:13.2f}  "
-              f"({100 * wall[name] / total:4.1f}% of wall)")
+        print(
+            f"  {name:<42s} {1000 * wall[name] / L:14.2f} {1000 * cpu[name] / L:13.2f}  "
+            f"({100 * wall[name] / total:4.1f}% of wall)"
+        )
     fps = L / total
-    print(f"  {'total':<42s} {1000 * total / L:14.2f} {1000 * total_cpu / L:13.2f}  -> {fps:.1f} frames/s "
-          f"({fps / p.fps:.2f}x real time)")
+    print(
+        f"  {'total':<42s} {1000 * total / L:14.2f} {1000 * total_cpu / L:13.2f}  -> {fps:.1f} frames/s "
+        f"({fps / p.fps:.2f}x real time)"
+    )
 
     if device.type == "cuda":
         print(f"  peak allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")

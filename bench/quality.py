@@ -21,7 +21,7 @@ audio; nothing reads model internals. Frames are consumed one at a time by :clas
 
 CLI: ``python -m bench.quality --json [--audio FILE] [--minutes M] [--plot out.png] [--ground-truth]``.
 ``--ground-truth`` scores generator renders of a held-out identity (the baseline); the model mode calls a
-``render_fn`` (default ``pipeline.render:render_for_quality``, imported lazily) twice, with and without
+``render_fn`` (default ``bench.quality_render:render_for_quality``, imported lazily) twice, with and without
 I chunks.
 """
 
@@ -113,17 +113,7 @@ def chunk_boundaries(num_frames: int, chunk_frames: int, context_frames: int, in
     ``jL + e`` are seams; without them only ``jL``."""
     from pipeline.schedule import ChunkPlan
 
-    plan = ChunkPlan(num_frames, chunk_frames, context_frames, interp_frames)
-    if not use_i_chunks:
-        return [plan.n_range(k).start for k in range(1, plan.num_n_chunks)]
-    out: set[int] = set()
-    for step in plan.steps:
-        if step.emission is None:
-            continue
-        for part in (step.emission.from_step, step.emission.from_pending):
-            if len(part) and part.start > 0:
-                out.add(part.start)
-    return sorted(out)
+    return ChunkPlan(num_frames, chunk_frames, context_frames, interp_frames, use_i_chunks=use_i_chunks).seams()
 
 
 def _erode(mask: np.ndarray, r: int) -> np.ndarray:
@@ -217,7 +207,11 @@ class QualityMeter:
         n = max(1, len(v) // self.fps)
         return np.array([v[i * self.fps : (i + 1) * self.fps].mean() for i in range(n)]) if len(v) else v
 
-    def summary(self, audio: np.ndarray, boundaries: Iterable[int]) -> dict[str, float | int]:
+    def per_minute(self, values: Sequence[float]) -> list[float]:
+        v, w = np.asarray(values, np.float64), 60 * self.fps
+        return [round(float(v[i : i + w].mean()), 3) for i in range(0, len(v), w)]
+
+    def summary(self, audio: np.ndarray, boundaries: Iterable[int]) -> dict[str, float | int | list[float]]:
         n = len(self.mouth)
         env = audio_envelope(audio, n, self.fps)
         r0, lag, rb = lipsync(env, np.asarray(self.mouth))
@@ -232,6 +226,8 @@ class QualityMeter:
             "drift_face_last": round(float(np.mean(self.face_dist[-tail * self.fps :])), 3),
             "drift_background_first": round(float(np.mean(self.bg_dist[: head * self.fps])), 3),
             "drift_background_last": round(float(np.mean(self.bg_dist[-tail * self.fps :])), 3),
+            "drift_face_per_minute": self.per_minute(self.face_dist),
+            "drift_background_per_minute": self.per_minute(self.bg_dist),
             "seam_score": round(seam_score(np.asarray(self.diffs), boundaries), 4),
         }
 
@@ -312,7 +308,7 @@ def _preset_plan() -> tuple[int, int, int]:
 
 
 def run(args: argparse.Namespace, render_fn: RenderFn | None = None
-        ) -> tuple[dict[str, float | int | str], dict[str, np.ndarray], list[int]]:
+        ) -> tuple[dict[str, float | int | str | list[float]], dict[str, np.ndarray], list[int]]:
     """Score one render (ground truth, or the model twice: with and without I chunks). Returns the
     summary, the per-window series for :func:`plot`, and the chunk boundaries used."""
     from models.avatars.dataset import FPS, IDENTITY_SPLITS, AvatarRenderer
@@ -324,12 +320,12 @@ def run(args: argparse.Namespace, render_fn: RenderFn | None = None
     audio = (loop_audio(load_audio(Path(args.audio)), int(seconds * SAMPLE_RATE)) if args.audio
              else heldout_speech(seconds, args.seed))
     audio = normalize_loudness(audio)
-    L, C, e = args.chunk_frames or _preset_plan()[0], args.context_frames or _preset_plan()[1], \
-        args.interp_frames or _preset_plan()[2]
+    preset = _preset_plan()
+    L, C, e = args.chunk_frames or preset[0], args.context_frames or preset[1], args.interp_frames or preset[2]
     ident = IDENTITY_SPLITS["heldout"][0] + args.identity
     gt = AvatarRenderer(ident, motion_seed=args.seed + 17)
     ref = gt.reference()
-    out: dict[str, float | int | str] = {"mode": "ground-truth" if args.ground_truth else "model",
+    out: dict[str, float | int | str | list[float]] = {"mode": "ground-truth" if args.ground_truth else "model",
                                          "identity_seed": ident, "chunk_frames": L, "context_frames": C,
                                          "interp_frames": e}
     if args.ground_truth:
@@ -350,7 +346,7 @@ def run(args: argparse.Namespace, render_fn: RenderFn | None = None
 
         Image.fromarray(ref).save(tmpd / "reference.png")
         write_wav(tmpd / "audio.wav", audio)
-        result: dict[bool, tuple[dict[str, float | int], QualityMeter, list[int]]] = {}
+        result: dict[bool, tuple[dict[str, float | int | list[float]], QualityMeter, list[int]]] = {}
         for use_i in (True, False):
             meter = QualityMeter(ref, gt.reference_mouth_box(), gt.reference_face_box(), gt.reference_eyes_box())
             sub = tmpd / ("with_i" if use_i else "without_i")
@@ -436,7 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--chunk-frames", type=int, default=0, help="L for GT seams (default: tiny preset)")
     p.add_argument("--context-frames", type=int, default=0, help="C (default: tiny preset)")
     p.add_argument("--interp-frames", type=int, default=0, help="e (default: tiny preset)")
-    p.add_argument("--render-fn", default="pipeline.render:render_for_quality",
+    p.add_argument("--render-fn", default="bench.quality_render:render_for_quality",
                    help="module:function rendering frames for the model mode")
     args = p.parse_args(argv)
     if args.minutes <= 0:

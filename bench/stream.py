@@ -24,11 +24,11 @@ from bench.inputs import DEMO_IMAGE, speech_wav
 
 def run_once(preset: str, seconds: float, mode: str, threads: int | None, image: Path | None,
              checkpoint: Path | None, seed: int) -> dict[str, object]:
+    from pipeline.host import default_threads
     from pipeline.render import RenderRequest, render
     from pipeline.sinks import FileSink
 
-    if threads:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(threads or default_threads())
     with tempfile.TemporaryDirectory(prefix="longtake-bench-") as tmp:
         audio = speech_wav(Path(tmp) / "speech.wav", seconds, seed=seed)
         out = Path(tmp) / "out.mp4"
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="tiny")
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--mode", choices=["streaming", "batch"], default="streaming")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: cores - 1, see pipeline.host.default_threads)")
     p.add_argument("--image", type=Path, default=None)
     p.add_argument("--checkpoint", type=Path, default=None)
     p.add_argument("--seed", type=int, default=0)

@@ -5,6 +5,14 @@ Import the classes from their modules (``models.dit.A2VDiT`` …) or from here.
 
 from __future__ import annotations
 
+import os
+
+# Before torch loads OpenMP: idle OpenMP workers sleep instead of spinning. Inference shares the
+# cores with the publisher thread (encoding, uploads) and, on shared machines, other processes;
+# spinning workers starved them (measured 4x slower renders on a loaded 2-core machine). An explicit
+# OMP_WAIT_POLICY in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from models.audio import AudioEncoder
 from models.checkpoint import CheckpointError, build_modules, load_checkpoint, save_checkpoint
 from models.dit import A2VDiT

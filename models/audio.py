@@ -41,11 +41,15 @@ class AudioEncoder(nn.Module):
         super().__init__()
         spf = cfg.sample_rate // cfg.fps
         if cfg.sample_rate % cfg.fps or spf % cfg.hop_length:
-            raise ValueError(f"AudioConfig: samples per frame ({cfg.sample_rate}/{cfg.fps}) must be a whole number "
-                             f"and a multiple of hop_length={cfg.hop_length}")
+            raise ValueError(
+                f"AudioConfig: samples per frame ({cfg.sample_rate}/{cfg.fps}) must be a whole number "
+                f"and a multiple of hop_length={cfg.hop_length}"
+            )
         window = (2 * cfg.context_frames + 1) * spf
         if window < cfg.n_fft:
-            raise ValueError(f"AudioConfig: the audio window of a frame ({window} samples) is shorter than n_fft")
+            raise ValueError(
+                f"AudioConfig: the audio window of a frame ({window} samples) is shorter than n_fft"
+            )
         self.cfg = cfg
         self.context_frames = cfg.context_frames
         self.samples_per_frame = spf
@@ -55,7 +59,9 @@ class AudioEncoder(nn.Module):
         # never part of a checkpoint and survive meta-device construction + to_empty()
         self._dsp: dict[torch.device, tuple[Tensor, Tensor]] = {}
         self.conv_in = nn.Conv1d(cfg.n_mels, cfg.dim, 3, padding=1)
-        self.blocks = nn.ModuleList([nn.Conv1d(cfg.dim, cfg.dim, 3, padding=1) for _ in range(cfg.num_layers)])
+        self.blocks = nn.ModuleList(
+            [nn.Conv1d(cfg.dim, cfg.dim, 3, padding=1) for _ in range(cfg.num_layers)]
+        )
         self.proj = nn.Linear(cfg.dim * self.mels_per_window, cfg.out_dim)
         self.norm = nn.LayerNorm(cfg.out_dim)
 
@@ -74,8 +80,14 @@ class AudioEncoder(nn.Module):
     def log_mel(self, wave_BS: Tensor) -> Tensor:
         """``(B, S)`` -> ``(B, n_mels, M)`` log-mel, mel frame j from samples ``[j*hop, j*hop + n_fft)``."""
         fb, window = self._dsp_constants(wave_BS.device)
-        spec = torch.stft(wave_BS.float(), self.cfg.n_fft, self.cfg.hop_length, window=window,
-                          center=False, return_complex=True)
+        spec = torch.stft(
+            wave_BS.float(),
+            self.cfg.n_fft,
+            self.cfg.hop_length,
+            window=window,
+            center=False,
+            return_complex=True,
+        )
         mel = torch.matmul(fb, spec.abs() ** 2)
         return (torch.log(mel.clamp(min=1e-5)) + 4.0) / 4.0  # roughly zero-mean, unit scale for speech
 
@@ -89,7 +101,9 @@ class AudioEncoder(nn.Module):
                 "outside the audio"
             )
         mel = self.log_mel(wave_BS)  # (B, n_mels, M)
-        windows = mel.unfold(-1, self.mels_per_window, self.mels_per_frame)[:, :, :num_frames]  # (B, n_mels, T, K)
+        windows = mel.unfold(-1, self.mels_per_window, self.mels_per_frame)[
+            :, :, :num_frames
+        ]  # (B, n_mels, T, K)
         B, n_mels, T, K = windows.shape
         # the DSP runs in float32; the learned layers in the module's dtype
         x = windows.permute(0, 2, 1, 3).reshape(B * T, n_mels, K).to(self.conv_in.weight.dtype)
@@ -97,4 +111,3 @@ class AudioEncoder(nn.Module):
         for conv in self.blocks:
             x = x + F.gelu(conv(x))
         return self.norm(self.proj(x.reshape(B, T, -1)))
-

@@ -62,8 +62,9 @@ def build_modules(preset: ModelPreset, seed: int = 0) -> dict[str, nn.Module]:
     return out
 
 
-def save_checkpoint(modules: dict[str, nn.Module], path: str | os.PathLike[str],
-                    metadata: dict[str, str] | None = None) -> None:
+def save_checkpoint(
+    modules: dict[str, nn.Module], path: str | os.PathLike[str], metadata: dict[str, str] | None = None
+) -> None:
     """Write every module's state into one safetensors file (atomically: temp file, then rename)."""
     tensors: dict[str, Tensor] = {}
     for name, module in modules.items():
@@ -83,8 +84,13 @@ def save_checkpoint(modules: dict[str, nn.Module], path: str | os.PathLike[str],
     os.replace(tmp, path)
 
 
-def load_checkpoint(modules: dict[str, nn.Module], path: str | os.PathLike[str], *,
-                    key_map: Callable[[str], str] | None = None, strict: bool = True) -> dict[str, str]:
+def load_checkpoint(
+    modules: dict[str, nn.Module],
+    path: str | os.PathLike[str],
+    *,
+    key_map: Callable[[str], str] | None = None,
+    strict: bool = True,
+) -> dict[str, str]:
     """Load the modules' weights from ``path``; returns the file's metadata.
 
     ``key_map`` renames file keys (after renaming they must read ``"<module>.<state_dict key>"``) —
@@ -111,8 +117,10 @@ def load_checkpoint(modules: dict[str, nn.Module], path: str | os.PathLike[str],
                 key = key_map(raw) if key_map else raw
                 file_tensors[key] = f.get_tensor(raw) if key.partition(".")[0] in modules else None
     except Exception as exc:  # safetensors raises several types for a corrupt file
-        raise CheckpointError(f"checkpoint file {str(path)!r} is not a readable safetensors file ({exc}): "
-                              "re-download or re-save it") from exc
+        raise CheckpointError(
+            f"checkpoint file {str(path)!r} is not a readable safetensors file ({exc}): "
+            "re-download or re-save it"
+        ) from exc
 
     missing: list[str] = []
     unexpected: list[str] = []

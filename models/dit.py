@@ -57,8 +57,15 @@ class A2VBlock(nn.Module):
         self.norm2 = nn.LayerNorm(d, elementwise_affine=False, eps=cfg.eps)
         self.ffn = FeedForward(d, cfg.ffn_dim)
 
-    def forward(self, x_BTND: Tensor, mod_BT6D: Tensor, rope: tuple[Tensor, Tensor], ctx_BMD: Tensor,
-                ctx_mask_BM: Tensor | None, audio_BTAK: Tensor) -> Tensor:
+    def forward(
+        self,
+        x_BTND: Tensor,
+        mod_BT6D: Tensor,
+        rope: tuple[Tensor, Tensor],
+        ctx_BMD: Tensor,
+        ctx_mask_BM: Tensor | None,
+        audio_BTAK: Tensor,
+    ) -> Tensor:
         B, T, N, D = x_BTND.shape
         shift1, scale1, gate1, shift2, scale2, gate2 = (mod_BT6D + self.modulation).unsqueeze(3).unbind(2)
         h = self.norm1(x_BTND) * (1 + scale1) + shift1
@@ -81,17 +88,24 @@ class A2VDiT(nn.Module):
         self.time_embed = nn.Sequential(nn.Linear(cfg.freq_dim, d), nn.SiLU(), nn.Linear(d, d))
         self.time_proj = nn.Sequential(nn.SiLU(), nn.Linear(d, 6 * d))
         self.ref_embed = nn.Linear(cfg.ref_channels * cfg.ref_patch_size**2, d)
-        self.text_proj = (nn.Sequential(nn.Linear(cfg.text_dim, d), nn.GELU(approximate="tanh"), nn.Linear(d, d))
-                          if cfg.text_dim else None)
-        self.audio_proj = nn.Sequential(nn.Linear(cfg.audio_dim, cfg.audio_token_dim), nn.GELU(approximate="tanh"),
-                                        nn.Linear(cfg.audio_token_dim, cfg.audio_tokens * cfg.audio_token_dim))
+        self.text_proj = (
+            nn.Sequential(nn.Linear(cfg.text_dim, d), nn.GELU(approximate="tanh"), nn.Linear(d, d))
+            if cfg.text_dim
+            else None
+        )
+        self.audio_proj = nn.Sequential(
+            nn.Linear(cfg.audio_dim, cfg.audio_token_dim),
+            nn.GELU(approximate="tanh"),
+            nn.Linear(cfg.audio_token_dim, cfg.audio_tokens * cfg.audio_token_dim),
+        )
         self.blocks = nn.ModuleList([A2VBlock(cfg) for _ in range(cfg.num_layers)])
         self.head_modulation = nn.Parameter(torch.randn(1, 1, 2, d) / d**0.5)
         self.norm_out = nn.LayerNorm(d, elementwise_affine=False, eps=cfg.eps)
         self.head = nn.Linear(d, cfg.in_channels * p * p)
 
-    def embed_context(self, ref_BCHW: Tensor, text_BND: Tensor | None = None,
-                      text_mask_BN: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    def embed_context(
+        self, ref_BCHW: Tensor, text_BND: Tensor | None = None, text_mask_BN: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
         """Reference (+ text) tokens for the cross-attention; the same for every sampler step, so a
         caller may compute them once per chunk and pass them as ``context=`` to ``forward``."""
         B = ref_BCHW.shape[0]
@@ -108,21 +122,38 @@ class A2VDiT(nn.Module):
         n_keep = int(valid_cols.max()) + 1 if valid_cols.numel() else 1
         text_BND, text_mask_BN = text_BND[:, :n_keep], text_mask_BN[:, :n_keep]
         text = self.text_proj(text_BND)
+        tokens = torch.cat([ref, text], dim=1)
+        if bool(text_mask_BN.all()):
+            return tokens, None  # no mask: SDPA may pick its fastest (flash) kernel
         ref_mask = torch.ones(B, ref.shape[1], dtype=torch.bool, device=ref.device)
-        return torch.cat([ref, text], dim=1), torch.cat([ref_mask, text_mask_BN], dim=1)
+        return tokens, torch.cat([ref_mask, text_mask_BN], dim=1)
 
-    def forward(self, x_BCThw: Tensor, t_B: Tensor, known_BT: Tensor, frame_index_BT: Tensor, ref_BCHW: Tensor,
-                audio_BTD: Tensor, text_BND: Tensor | None = None, text_mask_BN: Tensor | None = None, *,
-                context: tuple[Tensor, Tensor | None] | None = None) -> Tensor:
+    def forward(
+        self,
+        x_BCThw: Tensor,
+        t_B: Tensor,
+        known_BT: Tensor,
+        frame_index_BT: Tensor,
+        ref_BCHW: Tensor,
+        audio_BTD: Tensor,
+        text_BND: Tensor | None = None,
+        text_mask_BN: Tensor | None = None,
+        *,
+        context: tuple[Tensor, Tensor | None] | None = None,
+    ) -> Tensor:
         """Velocity ``v_BCThw`` for the window ``x_BCThw`` (clean at known frames) at time ``t_B``."""
         cfg, p = self.cfg, self.cfg.patch_size
         B, C, T, h, w = x_BCThw.shape
         if known_BT.shape != (B, T) or frame_index_BT.shape != (B, T):
-            raise ValueError(f"known_BT {tuple(known_BT.shape)} / frame_index_BT {tuple(frame_index_BT.shape)} "
-                             f"must be (B, T) = {(B, T)} like x_BCThw")
+            raise ValueError(
+                f"known_BT {tuple(known_BT.shape)} / frame_index_BT {tuple(frame_index_BT.shape)} "
+                f"must be (B, T) = {(B, T)} like x_BCThw"
+            )
         if audio_BTD.shape[:2] != (B, T):
-            raise ValueError(f"audio_BTD has {tuple(audio_BTD.shape[:2])} frames, x_BCThw has (B, T) = {(B, T)}: "
-                             "pass one audio feature per window frame")
+            raise ValueError(
+                f"audio_BTD has {tuple(audio_BTD.shape[:2])} frames, x_BCThw has (B, T) = {(B, T)}: "
+                "pass one audio feature per window frame"
+            )
         if h % p or w % p:
             raise ValueError(f"x_BCThw: latent size {h}x{w} not divisible by patch_size={p}")
         gh, gw = h // p, w // p
@@ -140,10 +171,14 @@ class A2VDiT(nn.Module):
         # relative frame positions: subtract the window start so only offsets reach RoPE
         rel = (frame_index_BT - frame_index_BT.min(dim=1, keepdim=True).values).to(torch.float32)
         grid = grid_positions(gh, gw, x.device)
-        pos = torch.cat([rel[:, :, None, None].expand(B, T, n, 1), grid[None, None].expand(B, T, n, 2)], dim=-1)
+        pos = torch.cat(
+            [rel[:, :, None, None].expand(B, T, n, 1), grid[None, None].expand(B, T, n, 2)], dim=-1
+        )
         rope = rope_angles(pos.reshape(B, T * n, 3), cfg.head_dim, cfg.rope_theta)
 
-        ctx, ctx_mask = context if context is not None else self.embed_context(ref_BCHW, text_BND, text_mask_BN)
+        ctx, ctx_mask = (
+            context if context is not None else self.embed_context(ref_BCHW, text_BND, text_mask_BN)
+        )
         audio = self.audio_proj(audio_BTD).unflatten(-1, (cfg.audio_tokens, cfg.audio_token_dim))
 
         for block in self.blocks:

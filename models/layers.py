@@ -28,7 +28,9 @@ def rope_axes_split(head_dim: int) -> tuple[int, int, int]:
     hw = 2 * (head_dim // 6)
     t = head_dim - 2 * hw
     if t % 2 or t <= 0:
-        raise ValueError(f"head_dim={head_dim} cannot be split into even (t, h, w) rotary parts; use a multiple of 6 or 8")
+        raise ValueError(
+            f"head_dim={head_dim} cannot be split into even (t, h, w) rotary parts; use a multiple of 6 or 8"
+        )
     return t, hw, hw
 
 
@@ -79,8 +81,13 @@ class Attention(nn.Module):
         self.norm_q = nn.RMSNorm(dim, eps=eps)
         self.norm_k = nn.RMSNorm(dim, eps=eps)
 
-    def forward(self, x_BND: Tensor, context_BMD: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None,
-                mask_BM: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        x_BND: Tensor,
+        context_BMD: Tensor | None = None,
+        rope: tuple[Tensor, Tensor] | None = None,
+        mask_BM: Tensor | None = None,
+    ) -> Tensor:
         if self.is_cross:
             if context_BMD is None:
                 raise ValueError("cross-attention needs context_BMD")
@@ -125,8 +132,13 @@ class TransformerBlock(nn.Module):
         self.norm2 = nn.LayerNorm(dim, eps=eps)
         self.ffn = FeedForward(dim, ffn_dim)
 
-    def forward(self, x_BND: Tensor, rope: tuple[Tensor, Tensor] | None = None, mask_BN: Tensor | None = None,
-                context_BMD: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        x_BND: Tensor,
+        rope: tuple[Tensor, Tensor] | None = None,
+        mask_BN: Tensor | None = None,
+        context_BMD: Tensor | None = None,
+    ) -> Tensor:
         x_BND = x_BND + self.attn(self.norm1(x_BND), rope=rope, mask_BM=mask_BN)
         if self.cross is not None and self.norm_x is not None and context_BMD is not None:
             x_BND = x_BND + self.cross(self.norm_x(x_BND), context_BMD)
@@ -160,7 +172,9 @@ def count_parameters(module: nn.Module) -> int:
 def sincos_2d(pos_N2: Tensor, dim: int) -> Tensor:
     """Fixed 2D sin-cos embedding ``(N, dim)`` of (row, column) positions; size-agnostic, no parameters."""
     quarter = dim // 4
-    freqs = torch.exp(-math.log(10000.0) * torch.arange(quarter, device=pos_N2.device, dtype=torch.float32) / quarter)
+    freqs = torch.exp(
+        -math.log(10000.0) * torch.arange(quarter, device=pos_N2.device, dtype=torch.float32) / quarter
+    )
     parts = []
     for axis in range(2):
         a = pos_N2[:, axis, None].float() * freqs

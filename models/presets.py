@@ -134,7 +134,9 @@ class ModelPreset:
     notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
-        if self.height % (self.vae_factor * self.lowres_factor) or self.width % (self.vae_factor * self.lowres_factor):
+        if self.height % (self.vae_factor * self.lowres_factor) or self.width % (
+            self.vae_factor * self.lowres_factor
+        ):
             raise ValueError(
                 f"preset {self.name!r}: height x width {self.height}x{self.width} must be divisible by "
                 f"vae_factor*lowres_factor={self.vae_factor * self.lowres_factor}"
@@ -147,8 +149,11 @@ class ModelPreset:
         h, w = self.lr_latent_hw
         if h % self.dit.patch_size or w % self.dit.patch_size:
             raise ValueError(f"preset {self.name!r}: low-res latent {h}x{w} not divisible by dit.patch_size")
-        if (self.sr.scale != self.lowres_factor or self.vae.factor != self.vae_factor
-                or self.vae.lowres_factor != self.lowres_factor):
+        if (
+            self.sr.scale != self.lowres_factor
+            or self.vae.factor != self.vae_factor
+            or self.vae.lowres_factor != self.lowres_factor
+        ):
             raise ValueError(f"preset {self.name!r}: sr.scale / vae.factor disagree with the preset factors")
 
     @property
@@ -167,43 +172,139 @@ class ModelPreset:
 
 def _tiny() -> ModelPreset:
     c = 8
-    audio = AudioConfig(sample_rate=16000, fps=25, context_frames=2, n_fft=400, hop_length=160, n_mels=40,
-                        dim=96, out_dim=128, num_layers=2)
+    audio = AudioConfig(
+        sample_rate=16000,
+        fps=25,
+        context_frames=2,
+        n_fft=400,
+        hop_length=160,
+        n_mels=40,
+        dim=96,
+        out_dim=128,
+        num_layers=2,
+    )
     text = TextConfig(max_length=64, dim=96, num_layers=2, num_heads=4, ffn_dim=256)
     return ModelPreset(
-        name="tiny", fps=25, sample_rate=16000, height=256, width=256, latent_channels=c,
-        vae_factor=8, lowres_factor=4, chunk_frames=16, context_frames=4, interp_frames=4,
-        num_steps=5, shift=3.0,
-        dit=DiTConfig(in_channels=c, dim=128, num_layers=4, num_heads=4, ffn_dim=384, patch_size=2,
-                      ref_channels=c, ref_patch_size=4, audio_dim=audio.out_dim, audio_tokens=4,
-                      audio_token_dim=64, text_dim=text.dim, freq_dim=128),
+        name="tiny",
+        fps=25,
+        sample_rate=16000,
+        height=256,
+        width=256,
+        latent_channels=c,
+        vae_factor=8,
+        lowres_factor=4,
+        chunk_frames=16,
+        context_frames=4,
+        interp_frames=4,
+        num_steps=5,
+        shift=3.0,
+        dit=DiTConfig(
+            in_channels=c,
+            dim=128,
+            num_layers=4,
+            num_heads=4,
+            ffn_dim=384,
+            patch_size=2,
+            ref_channels=c,
+            ref_patch_size=4,
+            audio_dim=audio.out_dim,
+            audio_tokens=4,
+            audio_token_dim=64,
+            text_dim=text.dim,
+            freq_dim=128,
+        ),
         sr=SRConfig(channels=c, scale=4, dim=128, num_layers=4, num_heads=4, ffn_dim=384, patch_size=4),
-        vae=VAEConfig(image_channels=3, latent_channels=c, factor=8, enc_channels=(32, 64, 96),
-                      dec_channels=(16, 32, 64), latent_res_blocks=2, dec_blocks=(0, 1), temporal_kernel=3),
-        audio=audio, text=text,
+        vae=VAEConfig(
+            image_channels=3,
+            latent_channels=c,
+            factor=8,
+            enc_channels=(32, 64, 96),
+            dec_channels=(16, 32, 64),
+            latent_res_blocks=2,
+            dec_blocks=(0, 1),
+            temporal_kernel=3,
+        ),
+        audio=audio,
+        text=text,
         notes="trained demo preset; 256x256 at 25 fps on 2 CPU cores",
     )
 
 
-def _wan_like(name: str, dim: int, layers: int, heads: int, ffn: int, sr_dim: int, sr_layers: int,
-              height: int, width: int) -> ModelPreset:
+def _wan_like(
+    name: str,
+    dim: int,
+    layers: int,
+    heads: int,
+    ffn: int,
+    sr_dim: int,
+    sr_layers: int,
+    height: int,
+    width: int,
+) -> ModelPreset:
     c = 16
-    audio = AudioConfig(sample_rate=16000, fps=25, context_frames=2, n_fft=400, hop_length=160, n_mels=80,
-                        dim=512, out_dim=768, num_layers=4)
+    audio = AudioConfig(
+        sample_rate=16000,
+        fps=25,
+        context_frames=2,
+        n_fft=400,
+        hop_length=160,
+        n_mels=80,
+        dim=512,
+        out_dim=768,
+        num_layers=4,
+    )
     text = TextConfig(max_length=256, dim=1024, num_layers=6, num_heads=16, ffn_dim=4096)
     return ModelPreset(
-        name=name, fps=25, sample_rate=16000, height=height, width=width, latent_channels=c,
-        vae_factor=8, lowres_factor=2, chunk_frames=24, context_frames=4, interp_frames=4,
-        num_steps=20, shift=5.0,
-        dit=DiTConfig(in_channels=c, dim=dim, num_layers=layers, num_heads=heads, ffn_dim=ffn, patch_size=2,
-                      ref_channels=c, ref_patch_size=4, audio_dim=audio.out_dim, audio_tokens=4,
-                      audio_token_dim=1024, text_dim=text.dim, freq_dim=256),
-        sr=SRConfig(channels=c, scale=2, dim=sr_dim, num_layers=sr_layers, num_heads=sr_dim // 128,
-                    ffn_dim=4 * sr_dim, patch_size=2),
-        vae=VAEConfig(image_channels=3, latent_channels=c, factor=8, enc_channels=(128, 256, 512),
-                      dec_channels=(128, 256, 512), latent_res_blocks=2, dec_blocks=(1, 2),
-                      temporal_kernel=3, lowres_factor=2),
-        audio=audio, text=text,
+        name=name,
+        fps=25,
+        sample_rate=16000,
+        height=height,
+        width=width,
+        latent_channels=c,
+        vae_factor=8,
+        lowres_factor=2,
+        chunk_frames=24,
+        context_frames=4,
+        interp_frames=4,
+        num_steps=20,
+        shift=5.0,
+        dit=DiTConfig(
+            in_channels=c,
+            dim=dim,
+            num_layers=layers,
+            num_heads=heads,
+            ffn_dim=ffn,
+            patch_size=2,
+            ref_channels=c,
+            ref_patch_size=4,
+            audio_dim=audio.out_dim,
+            audio_tokens=4,
+            audio_token_dim=1024,
+            text_dim=text.dim,
+            freq_dim=256,
+        ),
+        sr=SRConfig(
+            channels=c,
+            scale=2,
+            dim=sr_dim,
+            num_layers=sr_layers,
+            num_heads=sr_dim // 128,
+            ffn_dim=4 * sr_dim,
+            patch_size=2,
+        ),
+        vae=VAEConfig(
+            image_channels=3,
+            latent_channels=c,
+            factor=8,
+            enc_channels=(128, 256, 512),
+            dec_channels=(128, 256, 512),
+            latent_res_blocks=2,
+            dec_blocks=(1, 2),
+            temporal_kernel=3,
+            lowres_factor=2,
+        ),
+        audio=audio,
+        text=text,
         notes="random init only: for speed and memory measurement on GPUs",
     )
 

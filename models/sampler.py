@@ -30,15 +30,22 @@ class FlowMatchEulerSampler:
         t = torch.linspace(1.0, 0.0, self.num_steps + 1, dtype=torch.float64)
         return (self.shift * t / (1.0 + (self.shift - 1.0) * t)).float()
 
-    def sample(self, velocity_fn: Callable[[Tensor, Tensor], Tensor], noise_BCThw: Tensor, known_BCThw: Tensor,
-               known_BT: Tensor) -> Tensor:
+    def sample(
+        self,
+        velocity_fn: Callable[[Tensor, Tensor], Tensor],
+        noise_BCThw: Tensor,
+        known_BCThw: Tensor,
+        known_BT: Tensor,
+    ) -> Tensor:
         """Euler from t = 1 to 0; ``velocity_fn(x_BCThw, t_B) -> v_BCThw``. Returns the x0 estimate.
 
         ``known_BCThw`` holds the clean latents at the frames where ``known_BT`` is True (other frames
         are ignored).
         """
         if noise_BCThw.shape != known_BCThw.shape:
-            raise ValueError(f"known_BCThw {tuple(known_BCThw.shape)} must match noise_BCThw {tuple(noise_BCThw.shape)}")
+            raise ValueError(
+                f"known_BCThw {tuple(known_BCThw.shape)} must match noise_BCThw {tuple(noise_BCThw.shape)}"
+            )
         B, _, T = noise_BCThw.shape[:3]
         if known_BT.shape != (B, T):
             raise ValueError(f"known_BT {tuple(known_BT.shape)} must be (B, T) = {(B, T)}")

@@ -32,7 +32,10 @@ class SRDiT(nn.Module):
         self.ref_embed = nn.Linear(c * p * p, d)
         self.ref_norm = nn.LayerNorm(d, eps=cfg.eps)
         self.blocks = nn.ModuleList(
-            [TransformerBlock(d, cfg.num_heads, cfg.ffn_dim, cross=True, eps=cfg.eps) for _ in range(cfg.num_layers)]
+            [
+                TransformerBlock(d, cfg.num_heads, cfg.ffn_dim, cross=True, eps=cfg.eps)
+                for _ in range(cfg.num_layers)
+            ]
         )
         self.norm_out = nn.LayerNorm(d, eps=cfg.eps)
         self.head = nn.Linear(d, c * p * p)

@@ -25,7 +25,10 @@ class TextEncoder(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(258, cfg.dim)
         self.blocks = nn.ModuleList(
-            [TransformerBlock(cfg.dim, cfg.num_heads, cfg.ffn_dim, cross=False) for _ in range(cfg.num_layers)]
+            [
+                TransformerBlock(cfg.dim, cfg.num_heads, cfg.ffn_dim, cross=False)
+                for _ in range(cfg.num_layers)
+            ]
         )
         self.norm_out = nn.LayerNorm(cfg.dim)
 

@@ -32,6 +32,14 @@ def _groups(c: int) -> int:
     return 1
 
 
+def _channels_last(m: nn.ModuleList) -> nn.ModuleList:
+    """Store 4D conv weights channels-last (``load_state_dict`` copies into them and keeps the layout)."""
+    for p in m.parameters():
+        if p.dim() == 4:
+            p.data = p.data.contiguous(memory_format=torch.channels_last)
+    return m
+
+
 class ResBlock2d(nn.Module):
     """Per-frame residual block on ``(N, C, H, W)`` (N = batch x frames)."""
 
@@ -105,14 +113,22 @@ class Encoder(nn.Module):
     def __init__(self, cfg: VAEConfig) -> None:
         super().__init__()
         ch = cfg.enc_channels
-        blocks: list[nn.Module] = [nn.PixelUnshuffle(2), nn.Conv2d(cfg.image_channels * 4, ch[0], 3, padding=1)]
+        blocks: list[nn.Module] = [
+            nn.PixelUnshuffle(2),
+            nn.Conv2d(cfg.image_channels * 4, ch[0], 3, padding=1),
+        ]
         for i in range(1, len(ch)):
             blocks.append(nn.Conv2d(ch[i - 1], ch[i], 3, stride=2, padding=1))
             blocks.append(ResBlock2d(ch[i], ch[i]))
         blocks.append(ResBlock2d(ch[-1], ch[-1]))
-        blocks.append(nn.Sequential(nn.GroupNorm(_groups(ch[-1]), ch[-1]), nn.SiLU(),
-                                    nn.Conv2d(ch[-1], 2 * cfg.latent_channels, 3, padding=1)))
-        self.blocks = nn.ModuleList(blocks).to(memory_format=torch.channels_last)
+        blocks.append(
+            nn.Sequential(
+                nn.GroupNorm(_groups(ch[-1]), ch[-1]),
+                nn.SiLU(),
+                nn.Conv2d(ch[-1], 2 * cfg.latent_channels, 3, padding=1),
+            )
+        )
+        self.blocks = _channels_last(nn.ModuleList(blocks))
 
     def forward(self, x: Tensor) -> Tensor:
         x = x.contiguous(memory_format=torch.channels_last)
@@ -149,10 +165,15 @@ class Decoder(nn.Module):
             up.append(Upsample(ch[i], ch[i - 1]))
             for _ in range(cfg.dec_blocks[i - 1]):
                 up.append(ResBlock2d(ch[i - 1], ch[i - 1]))
-        up.append(nn.Sequential(nn.GroupNorm(_groups(ch[0]), ch[0]), nn.SiLU(),
-                                nn.ConvTranspose2d(ch[0], cfg.image_channels, 2, stride=2)))
+        up.append(
+            nn.Sequential(
+                nn.GroupNorm(_groups(ch[0]), ch[0]),
+                nn.SiLU(),
+                nn.ConvTranspose2d(ch[0], cfg.image_channels, 2, stride=2),
+            )
+        )
         # channels-last: oneDNN convolutions at 64..256 px run 2-4x faster without layout reorders
-        self.up = nn.ModuleList(up).to(memory_format=torch.channels_last)
+        self.up = _channels_last(nn.ModuleList(up))
         self.num_cache = 1 + len(self.causal)
 
     @property
@@ -161,8 +182,10 @@ class Decoder(nn.Module):
 
     def forward(self, z_BTCHW: Tensor, cache: list[Tensor] | None) -> tuple[Tensor, list[Tensor]]:
         if cache is not None and len(cache) != self.num_cache:
-            raise ValueError(f"decoder cache has {len(cache)} entries, expected {self.num_cache}: pass the cache "
-                             "returned by the previous decode() of the same stream (or None to start)")
+            raise ValueError(
+                f"decoder cache has {len(cache)} entries, expected {self.num_cache}: pass the cache "
+                "returned by the previous decode() of the same stream (or None to start)"
+            )
         old: list[Tensor | None] = list(cache) if cache is not None else [None] * self.num_cache
         x, c0 = self.conv_in(z_BTCHW, old[0])
         new = [c0]
@@ -182,7 +205,11 @@ class CausalVAE(nn.Module):
         if cfg.factor < 2 or 2 ** int(math.log2(cfg.factor)) != cfg.factor:
             raise ValueError(f"VAEConfig.factor={cfg.factor}: must be a power of two >= 2")
         levels = int(math.log2(cfg.factor))
-        if len(cfg.enc_channels) != levels or len(cfg.dec_channels) != levels or len(cfg.dec_blocks) != levels - 1:
+        if (
+            len(cfg.enc_channels) != levels
+            or len(cfg.dec_channels) != levels
+            or len(cfg.dec_blocks) != levels - 1
+        ):
             raise ValueError(
                 f"VAEConfig: factor {cfg.factor} needs {levels} enc_channels / dec_channels and {levels - 1} "
                 f"dec_blocks, got {len(cfg.enc_channels)} / {len(cfg.dec_channels)} / {len(cfg.dec_blocks)}"
@@ -214,8 +241,9 @@ class CausalVAE(nn.Module):
         """RGB in [-1, 1] ``(B, 3, T, H, W)`` -> hr latents ``(B, latent, T, H/f, W/f)`` (the mean)."""
         return self.encode_moments(rgb_BCTHW)[0]
 
-    def decode(self, z_BCThw: Tensor, cache: list[Tensor] | None = None, *, clamp: bool = True
-               ) -> tuple[Tensor, list[Tensor]]:
+    def decode(
+        self, z_BCThw: Tensor, cache: list[Tensor] | None = None, *, clamp: bool = True
+    ) -> tuple[Tensor, list[Tensor]]:
         """Latents ``(B, latent, T, h, w)`` -> (RGB ``(B, 3, T, h*f, w*f)`` in [-1, 1], new cache).
 
         Pass ``cache=None`` for the first chunk of a stream and the returned cache for the next one.

@@ -5,6 +5,10 @@ model (a factory from the preset), where its weights come from (a safetensors fi
 or a seeded random init) and, once loaded, where it lives (resident on the compute device, parked in
 host memory, sharded across ranks — see ``pipeline/placement``). Stages call :meth:`get` on their
 first use, so a pipeline that never runs a stage never pays for its model.
+
+A model already built and placed elsewhere (a NodeEngine rank's sharded DiT) is wrapped with
+:meth:`Module.from_loaded`; its ``on_use`` callback runs at every :meth:`get`, i.e. when a stage is
+about to run the model, which is where a rank's parker brings the model back just in time.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pipeline.errors import ModuleLoadError
 
@@ -50,6 +55,7 @@ class Module:
         prefix: str = "",
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        on_use: Callable[[], None] | None = None,
     ) -> None:
         self.name = name
         self._build = build
@@ -61,6 +67,38 @@ class Module:
         self._lock = threading.Lock()
         self.residency = Residency.UNLOADED
         self.load_s = 0.0
+        self.on_use = on_use  # called by get() each time a stage takes the model
+
+    @classmethod
+    def from_loaded(
+        cls,
+        name: str,
+        model: nn.Module,
+        *,
+        checkpoint: Path | None = None,
+        residency: Residency | None = None,
+        on_use: Callable[[], None] | None = None,
+    ) -> Module:
+        """Wrap a model the caller already built, loaded and placed (e.g. FSDP2-sharded on a rank).
+
+        ``checkpoint`` only records where its weights came from (``None``: random init).
+        ``residency`` defaults to SHARDED when the model carries DTensor parameters, else RESIDENT.
+        The caller owns the model's placement; this Module never rebuilds or moves it.
+        """
+
+        def build() -> nn.Module:
+            raise ModuleLoadError(f"module {name!r} was loaded by its owner and cannot be rebuilt here")
+
+        module = cls(name, build, checkpoint=checkpoint, prefix=f"{name}.", on_use=on_use)
+        first = next(iter(model.parameters()), None)
+        module.device = first.device if first is not None else torch.device("cpu")
+        module.dtype = first.dtype if first is not None else torch.float32
+        if residency is None:
+            sharded = any(isinstance(p, DTensor) for p in model.parameters())
+            residency = Residency.SHARDED if sharded else Residency.RESIDENT
+        module.residency = residency
+        module._model = model
+        return module
 
     @property
     def is_loaded(self) -> bool:
@@ -71,7 +109,13 @@ class Module:
         return self.checkpoint is None
 
     def get(self) -> nn.Module:
-        """The loaded model (built and loaded on first call; thread-safe)."""
+        """The loaded model (built and loaded on first call; thread-safe), after ``on_use()``."""
+        model = self._loaded()
+        if self.on_use is not None:
+            self.on_use()
+        return model
+
+    def _loaded(self) -> nn.Module:
         if self._model is None:
             with self._lock:
                 if self._model is None:
@@ -80,11 +124,11 @@ class Module:
 
     def blocks(self) -> list[nn.Module]:
         """The model's repeated blocks (``model.blocks``) for per-block placement; [] if none."""
-        blocks = getattr(self.get(), "blocks", None)
+        blocks = getattr(self._loaded(), "blocks", None)
         return list(blocks) if isinstance(blocks, nn.ModuleList) else []
 
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.get().parameters())
+        return sum(p.numel() for p in self._loaded().parameters())
 
     def _load(self) -> nn.Module:
         t0 = time.perf_counter()

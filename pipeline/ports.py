@@ -26,10 +26,14 @@ class AudioReader(Protocol):
         """Mono float32 samples ``[start, stop)`` at ``rate``, zero outside the audio."""
         ...
 
+    def num_samples(self, rate: int) -> int:
+        """Length of the audio in samples at ``rate``."""
+        ...
+
 
 # provided by the pipeline from the request
 REFERENCE_RGB = Port("reference_rgb", np.ndarray, J, "reference image, HxWx3 uint8 at output size")
-AUDIO = Port("audio", AudioReader, J, "the driving audio")
+AUDIO = Port("audio", AudioReader, J, "the driving audio")  # type: ignore[type-abstract]
 TEXT = Port("text", str, J, "text / scene prompt", optional=True)
 SEED = Port("seed", int, J, "job seed; per-chunk seeds derive from it and the step")
 PLAN = Port("plan", ChunkPlan, J, "the N/I chunk plan")
@@ -42,13 +46,16 @@ EMISSION_LATENTS = Port("emission_latents", torch.Tensor, C, "low-res latents_BC
 REF_LATENT = Port("ref_latent", torch.Tensor, J, "reference hr latent_BCHW (encoded once)")
 TEXT_TOKENS = Port("text_tokens", torch.Tensor, J, "text tokens_BND", optional=True)
 TEXT_MASK = Port("text_mask", torch.Tensor, J, "text mask_BN", optional=True)
+AUDIO_GAIN = Port("audio_gain", float, J, "loudness normalisation gain for the model's audio input")
 AUDIO_FEATS = Port("audio_feats", torch.Tensor, C, "audio features_BTD of the step's window")
 NOISE = Port("noise", torch.Tensor, C, "initial noise_BCThw of the step's window")
 
 # a2v stage
+A2V_CONTEXT = Port("a2v_context", tuple, J, "(reference + text tokens, mask) the DiT attends to; per job")
 STEP_LATENTS = Port("step_latents", torch.Tensor, C, "low-res latents_BCThw of step.generate")
 
 # sr stage
+SR_REF_TOKENS = Port("sr_ref_tokens", torch.Tensor, J, "reference tokens of the SR DiT; per job")
 EMISSION_HR = Port("emission_hr", torch.Tensor, C, "hr latents_BCThw of the emission")
 
 # decode stage

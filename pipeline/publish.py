@@ -16,6 +16,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import Protocol
 
 import numpy as np
 
@@ -25,12 +27,14 @@ from pipeline.media_types import Fragment, FrameSink, InitSegment
 log = logging.getLogger(__name__)
 
 
-class FragmentEncoderLike:  # the part of pipeline.encode.FragmentEncoder the publisher uses
-    init_segment: InitSegment
+class FragmentEncoderLike(Protocol):
+    """The part of :class:`pipeline.encode.FragmentEncoder` the publisher uses."""
+
+    @property
+    def init_segment(self) -> InitSegment: ...
 
     def encode(self, frames_THWC: np.ndarray, *, first_frame: int, index: int, is_last: bool,
-               resume_state: bytes | None) -> Fragment:  # pragma: no cover - protocol
-        raise NotImplementedError
+               resume_state: bytes | None = None) -> Fragment: ...
 
 
 @dataclass
@@ -63,7 +67,7 @@ class Publisher:
     def open(self) -> None:
         init = self.encoder.init_segment
         for sink in self.sinks:
-            self._call_sink(sink, "open", lambda s=sink: s.open(init))
+            self._call_sink(sink, "open", partial(sink.open, init))
             self._opened.append(sink)
         if self.asynchronous:
             self._thread = threading.Thread(target=self._loop, name="longtake-publisher", daemon=True)
@@ -126,7 +130,7 @@ class Publisher:
         t1 = time.perf_counter()
         self.encode_s += t1 - t0
         for sink in self.sinks:
-            self._call_sink(sink, "write", lambda s=sink: s.write(fragment))
+            self._call_sink(sink, "write", partial(sink.write, fragment))
         self.sink_s += time.perf_counter() - t1
         if self.first_fragment_at is None:
             self.first_fragment_at = time.perf_counter()

@@ -23,6 +23,7 @@ from typing import ClassVar, Generic, TypeVar, cast
 from pipeline.errors import PipelineBuildError
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 
 
 class Scope(StrEnum):
@@ -31,9 +32,9 @@ class Scope(StrEnum):
 
 
 @dataclass(frozen=True)
-class Port(Generic[T]):
+class Port(Generic[T_co]):
     name: str
-    type: type[T]
+    type: type[T_co]
     scope: Scope
     doc: str = ""
     optional: bool = False  # the value may be None (e.g. text tokens when there is no text)

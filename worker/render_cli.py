@@ -12,10 +12,13 @@ import logging
 import sys
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from pipeline.errors import RenderError
+from pipeline.host import default_threads
 from pipeline.inputs import validate_hls_directory, validate_output_path
+from pipeline.media_types import FrameSink
 from pipeline.render import RenderProgress, RenderRequest, render
 from pipeline.sinks import FileSink, HLSDirectorySink
 
@@ -36,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="safetensors checkpoint (default: the one shipped for the preset, if any)")
     p.add_argument("--mode", choices=["streaming", "batch"], default="streaming",
                    help="streaming (default) or the conventional batch baseline")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: CPU cores - 1, leaving one to the encoder)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -43,9 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(args.threads or default_threads())
     try:
         out = validate_output_path(args.out)
-        sinks = [FileSink(out)]
+        sinks: list[FrameSink] = [FileSink(out)]
         if args.hls is not None:
             sinks.append(HLSDirectorySink(validate_hls_directory(args.hls)))
         request = RenderRequest(image=args.image, audio=args.audio, text=args.text, seed=args.seed,

@@ -17,10 +17,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch.utils.data import Dataset
 
 from models.avatars.face import Box, FaceIdentity, FaceRenderer, HeadPose
 from models.avatars.speech import (
@@ -29,6 +28,9 @@ from models.avatars.speech import (
     mouth_opening_track,
     mouth_width_track,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 FPS = 25
 IDENTITY_SPLITS: dict[str, tuple[int, int]] = {"train": (0, 1_000_000), "heldout": (1_000_000, 1_001_000)}
@@ -182,8 +184,10 @@ def identity_for(split: str, seed: int, index: int, num_identities: int | None =
     return lo + int(np.random.default_rng([seed, index, 5]).integers(span))
 
 
-class AvatarClipDataset(Dataset[dict[str, torch.Tensor]]):
+class AvatarClipDataset:
     """Map-style dataset of synthetic clips; ``len`` is ``num_clips``, item ``i`` is deterministic.
+    (A plain class with ``__len__`` / ``__getitem__``, which is all ``torch.utils.data.DataLoader``
+    needs; torch is imported only when an item is made, so ground-truth scoring does not load it.)
 
     Items are dicts of tensors: ``reference`` (H, W, 3) uint8, ``frames`` (T, H, W, 3) uint8,
     ``audio`` (T * 640,) float32 at 16 kHz, ``mouth_open`` (T,) float32, ``mouth_box`` / ``face_box``
@@ -205,6 +209,8 @@ class AvatarClipDataset(Dataset[dict[str, torch.Tensor]]):
         return self.num_clips
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        import torch
+
         if not 0 <= index < self.num_clips:
             raise IndexError(f"index {index} out of range [0, {self.num_clips})")
         if self._synth is None:  # created lazily so each DataLoader worker gets its own

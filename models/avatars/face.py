@@ -179,7 +179,7 @@ class FaceRenderer:
         else:
             w = 0.5 + 0.25 * (np.sin(2 * np.pi * xx * 4) * np.sin(2 * np.pi * yy * 4) + 1) - 0.25
         img = (np.asarray(i.bg_a, np.float32) * (1 - w[..., None]) + np.asarray(i.bg_b, np.float32) * w[..., None])
-        big = Image.fromarray(img.clip(0, 255).astype(np.uint8)).resize((self._s2, self._s2), Image.NEAREST)
+        big = Image.fromarray(img.clip(0, 255).astype(np.uint8)).resize((self._s2, self._s2), Image.Resampling.NEAREST)
         d = ImageDraw.Draw(big)
         skin_dark = _rgb(np.asarray(i.skin) * 0.85)
         # neck and shoulders are part of the static background: only the head moves
@@ -357,8 +357,8 @@ class FaceRenderer:
         oy0 = max(0, int(min(p[1] for p in pts)) - 1)
         ox1 = min(self.size, int(max(p[0] for p in pts)) + 2)
         oy1 = min(self.size, int(max(p[1] for p in pts)) + 2)
-        placed = head.transform((ox1 - ox0, oy1 - oy0), Image.AFFINE,
-                                self._affine(pose, ox0, oy0, hx0, hy0), resample=Image.BILINEAR)
+        placed = head.transform((ox1 - ox0, oy1 - oy0), Image.Transform.AFFINE,
+                                self._affine(pose, ox0, oy0, hx0, hy0), resample=Image.Resampling.BILINEAR)
         out = self._background.copy()
         out.alpha_composite(placed, dest=(ox0, oy0))
         return np.asarray(out.convert("RGB"))

@@ -22,7 +22,7 @@ class A2VStage(Stage):
     name = "a2v"
     phase = Phase.STEP
     inputs = (P.STEP, P.ROLLING, P.REF_LATENT, P.TEXT_TOKENS, P.TEXT_MASK, P.AUDIO_FEATS, P.NOISE)
-    outputs = (P.STEP_LATENTS,)
+    outputs = (P.A2V_CONTEXT, P.STEP_LATENTS)
 
     def __init__(self, dit: Module, sampler: object, *, timings: Timings) -> None:
         self.dit = dit
@@ -32,7 +32,15 @@ class A2VStage(Stage):
     def modules(self) -> list[object]:
         return [self.dit]
 
-    @torch.inference_mode()
+    @torch.no_grad()
+    def setup(self, values: Values) -> None:
+        # Reference and text tokens are the same for every step of every chunk: embed them once.
+        with self.timings.model("a2v"):
+            context = self.dit.get().embed_context(  # type: ignore[operator]
+                values.get(P.REF_LATENT), values.get_optional(P.TEXT_TOKENS), values.get_optional(P.TEXT_MASK))
+        values.put(P.A2V_CONTEXT, tuple(context))
+
+    @torch.no_grad()
     def run(self, values: Values) -> None:
         step = values.get(P.STEP)
         noise = values.get(P.NOISE)
@@ -43,12 +51,12 @@ class A2VStage(Stage):
             known[:, :, positions] = self._known_latents(step, values.get(P.ROLLING)).to(noise.dtype)
         frame_index_BT = torch.tensor([list(step.window)], dtype=torch.long)
         ref, audio = values.get(P.REF_LATENT), values.get(P.AUDIO_FEATS)
-        text, text_mask = values.get_optional(P.TEXT_TOKENS), values.get_optional(P.TEXT_MASK)
+        context = values.get(P.A2V_CONTEXT)
         dit = self.dit.get()
 
         def velocity(x_BCThw: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            t_B = t.reshape(1).expand(x_BCThw.shape[0]).to(x_BCThw.dtype)
-            return dit(x_BCThw, t_B, known_BT, frame_index_BT, ref, audio, text, text_mask)  # type: ignore[no-any-return]
+            t_B = t.reshape(-1).expand(x_BCThw.shape[0]).to(x_BCThw.dtype)
+            return dit(x_BCThw, t_B, known_BT, frame_index_BT, ref, audio, context=context)  # type: ignore[no-any-return]
 
         with self.timings.model("a2v"):
             x0 = self.sampler.sample(velocity, noise, known, known_BT)  # type: ignore[attr-defined]

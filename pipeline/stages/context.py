@@ -8,6 +8,7 @@ import torch
 
 from pipeline import ports as P
 from pipeline.module import Module
+from pipeline.ports import AudioReader
 from pipeline.stage import Phase, Stage, Values
 from pipeline.stages.common import Timings, step_generator
 
@@ -16,7 +17,7 @@ class ContextStage(Stage):
     name = "context"
     phase = Phase.STEP
     inputs = (P.REFERENCE_RGB, P.AUDIO, P.TEXT, P.SEED, P.STEP)
-    outputs = (P.REF_LATENT, P.TEXT_TOKENS, P.TEXT_MASK, P.AUDIO_FEATS, P.NOISE)
+    outputs = (P.REF_LATENT, P.TEXT_TOKENS, P.TEXT_MASK, P.AUDIO_GAIN, P.AUDIO_FEATS, P.NOISE)
 
     def __init__(self, vae: Module, audio: Module, text: Module | None, *, fps: int, sample_rate: int,
                  latent_channels: int, lr_latent_hw: tuple[int, int], timings: Timings) -> None:
@@ -28,7 +29,7 @@ class ContextStage(Stage):
     def modules(self) -> list[object]:
         return [m for m in (self.vae, self.audio, self.text) if m is not None]
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def setup(self, values: Values) -> None:
         rgb = values.get(P.REFERENCE_RGB)
         ref_BCTHW = torch.from_numpy(rgb).permute(2, 0, 1)[None, :, None].float().div(127.5).sub(1.0)
@@ -42,8 +43,9 @@ class ContextStage(Stage):
                 tokens, mask = self.text.get()([text])
         values.put(P.TEXT_TOKENS, tokens)
         values.put(P.TEXT_MASK, mask)
+        values.put(P.AUDIO_GAIN, loudness_gain(values.get(P.AUDIO), self.sample_rate))
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def run(self, values: Values) -> None:
         step = values.get(P.STEP)
         encoder = self.audio.get()
@@ -52,11 +54,43 @@ class ContextStage(Stage):
         # function of the frame indices, so chunking never changes a frame's features.
         spf = self.sample_rate // self.fps
         s0, s1 = (step.window.start - pad) * spf, (step.window.stop + pad) * spf
-        wave = values.get(P.AUDIO).read(s0, s1, self.sample_rate)
-        wave_BS = torch.from_numpy(np.ascontiguousarray(wave, dtype=np.float32))[None]
+        wave = values.get(P.AUDIO).read(s0, s1, self.sample_rate) * values.get(P.AUDIO_GAIN)
+        wave_BS = torch.from_numpy(np.clip(wave, -1.0, 1.0).astype(np.float32))[None]
         with self.timings.model("audio"):
             feats = encoder(wave_BS, len(step.window))
         values.put(P.AUDIO_FEATS, feats)
         h, w = self.lr_latent_hw
         gen = step_generator(values.get(P.SEED), step)
         values.put(P.NOISE, torch.randn((1, self.latent_channels, len(step.window), h, w), generator=gen))
+
+
+TARGET_RMS_DBFS = -20.0  # the level the models were trained at (models.avatars.speech.normalize_loudness)
+_HOP_S = 0.02
+_BLOCK_HOPS = 8192
+
+
+def loudness_gain(audio: AudioReader, rate: int, target_dbfs: float = TARGET_RMS_DBFS) -> float:
+    """Gain that brings the voiced parts of ``audio`` (20 ms frames within 50 dB of the loudest) to
+    ``target_dbfs`` RMS — the normalisation the models were trained with — computed in two streaming
+    passes over blocks, so an hour of audio costs no memory. Silence gets gain 1."""
+    hop = int(rate * _HOP_S)
+    n_hops = audio.num_samples(rate) // hop
+
+    def hop_rms() -> list[np.ndarray]:
+        out = []
+        for h0 in range(0, n_hops, _BLOCK_HOPS):
+            h1 = min(n_hops, h0 + _BLOCK_HOPS)
+            x = audio.read(h0 * hop, h1 * hop, rate).astype(np.float64).reshape(h1 - h0, hop)
+            out.append(np.sqrt(np.mean(x**2, axis=1)))
+        return out
+
+    if n_hops == 0:
+        return 1.0
+    blocks = hop_rms()
+    peak = max(float(b.max()) for b in blocks)
+    if peak <= 1e-8:
+        return 1.0
+    floor = peak * 10 ** (-50 / 20)
+    voiced = np.concatenate([b[b > floor] for b in blocks])
+    level = float(np.sqrt(np.mean(voiced**2)))
+    return float(10 ** (target_dbfs / 20) / level)

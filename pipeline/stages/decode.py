@@ -28,7 +28,7 @@ class DecodeStage(Stage):
     def modules(self) -> list[object]:
         return [self.vae]
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def run(self, values: Values) -> None:
         z = values.get(P.EMISSION_HR)
         state = values.get(P.ROLLING)

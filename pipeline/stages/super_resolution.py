@@ -14,7 +14,7 @@ class SRStage(Stage):
     name = "sr"
     phase = Phase.EMISSION
     inputs = (P.EMISSION_LATENTS, P.REF_LATENT)
-    outputs = (P.EMISSION_HR,)
+    outputs = (P.SR_REF_TOKENS, P.EMISSION_HR)
 
     def __init__(self, sr: Module, *, timings: Timings, frames_per_call: int = 32) -> None:
         self.sr = sr
@@ -26,12 +26,18 @@ class SRStage(Stage):
     def modules(self) -> list[object]:
         return [self.sr]
 
-    @torch.inference_mode()
+    @torch.no_grad()
+    def setup(self, values: Values) -> None:
+        with self.timings.model("sr"):
+            values.put(P.SR_REF_TOKENS, self.sr.get().embed_reference(values.get(P.REF_LATENT)))  # type: ignore[operator]
+
+    @torch.no_grad()
     def run(self, values: Values) -> None:
         lr = values.get(P.EMISSION_LATENTS)
         ref = values.get(P.REF_LATENT)
+        tokens = values.get(P.SR_REF_TOKENS)
         model = self.sr.get()
         with self.timings.model("sr"):
-            parts = [model(lr[:, :, i : i + self.frames_per_call], ref)
+            parts = [model(lr[:, :, i : i + self.frames_per_call], ref, ref_tokens=tokens)
                      for i in range(0, lr.shape[2], self.frames_per_call)]
         values.put(P.EMISSION_HR, torch.cat(parts, dim=2))

@@ -25,7 +25,7 @@ def peak_rss(mode: str, chunks: int) -> int:
 
 @pytest.mark.slow
 def test_streaming_peak_memory_is_flat_and_batch_grows() -> None:
-    n = 3
+    n = 2
     s_small, s_large = peak_rss("streaming", n), peak_rss("streaming", 4 * n)
     b_small, b_large = peak_rss("batch", n), peak_rss("batch", 4 * n)
     print(f"streaming {n}: {s_small}  {4 * n}: {s_large}  ratio {s_large / s_small:.4f}")

@@ -43,6 +43,22 @@ def test_tiny_sizes(preset: ModelPreset) -> None:
     assert set(PRESETS) == {"tiny", "1.3b", "14b"}
 
 
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_fit_the_chunk_plan(name: str) -> None:
+    from pipeline.schedule import ChunkPlan
+
+    p = get_preset(name)
+    plan = ChunkPlan(
+        num_frames=10 * p.chunk_frames + 3,
+        chunk_frames=p.chunk_frames,
+        context_frames=p.context_frames,
+        interp_frames=p.interp_frames,
+    )
+    assert plan.num_n_chunks == 11
+    assert p.audio.sample_rate == p.sample_rate and p.audio.fps == p.fps
+    assert p.dit.in_channels == p.sr.channels == p.vae.latent_channels == p.latent_channels
+
+
 def test_unknown_preset_names_choices() -> None:
     with pytest.raises(ValueError, match=r"'huge'.*1\.3b.*14b.*tiny"):
         get_preset("huge")
@@ -159,7 +175,9 @@ def test_dit_shape_and_translation_invariance(mods: dict[str, torch.nn.Module], 
     assert (gapped - v).abs().max() > 1e-4  # relative offsets do matter
 
 
-def test_dit_known_mask_and_conditioning_matter(mods: dict[str, torch.nn.Module], preset: ModelPreset) -> None:
+def test_dit_known_mask_and_conditioning_matter(
+    mods: dict[str, torch.nn.Module], preset: ModelPreset
+) -> None:
     dit = mods["a2v"]
     inp = _dit_inputs(preset, T=6)
     with torch.no_grad():
@@ -300,8 +318,9 @@ def test_large_preset_layout_runs_when_shrunk() -> None:
     import dataclasses
 
     p = get_preset("1.3b")
-    dit_cfg = dataclasses.replace(p.dit, dim=48, num_layers=1, num_heads=2, ffn_dim=64, audio_token_dim=16,
-                                  freq_dim=32)
+    dit_cfg = dataclasses.replace(
+        p.dit, dim=48, num_layers=1, num_heads=2, ffn_dim=64, audio_token_dim=16, freq_dim=32
+    )
     sr_cfg = dataclasses.replace(p.sr, dim=48, num_layers=1, num_heads=2, ffn_dim=64)
     torch.manual_seed(0)
     dit, sr = A2VDiT(dit_cfg).eval(), SRDiT(sr_cfg).eval()
@@ -310,9 +329,14 @@ def test_large_preset_layout_runs_when_shrunk() -> None:
     g = torch.Generator().manual_seed(0)
     ref = torch.randn(1, p.latent_channels, h * p.lowres_factor, w * p.lowres_factor, generator=g)
     with torch.no_grad():
-        v = dit(torch.randn(1, p.latent_channels, T, h, w, generator=g), torch.tensor([0.3]),
-                torch.tensor([[True, False, False]]), torch.arange(T)[None], ref,
-                torch.randn(1, T, p.dit.audio_dim, generator=g))
+        v = dit(
+            torch.randn(1, p.latent_channels, T, h, w, generator=g),
+            torch.tensor([0.3]),
+            torch.tensor([[True, False, False]]),
+            torch.arange(T)[None],
+            ref,
+            torch.randn(1, T, p.dit.audio_dim, generator=g),
+        )
         hr = sr(torch.randn(1, p.latent_channels, T, h, w, generator=g), ref)
     assert v.shape == (1, p.latent_channels, T, h, w)
     assert hr.shape == (1, p.latent_channels, T, h * p.lowres_factor, w * p.lowres_factor)
@@ -328,8 +352,16 @@ def test_modules_run_in_bfloat16(preset: ModelPreset) -> None:
         text, mask = m["text"](["hi"])
         ref = torch.randn(1, c, *preset.hr_latent_hw, dtype=bf)
         known = torch.tensor([[True, False, False]])
-        v = m["a2v"](torch.randn(1, c, T, *preset.lr_latent_hw, dtype=bf), torch.tensor([0.5], dtype=bf), known,
-                     torch.arange(T)[None], ref, feats, text, mask)
+        v = m["a2v"](
+            torch.randn(1, c, T, *preset.lr_latent_hw, dtype=bf),
+            torch.tensor([0.5], dtype=bf),
+            known,
+            torch.arange(T)[None],
+            ref,
+            feats,
+            text,
+            mask,
+        )
         hr = m["sr"](torch.randn(1, c, T, *preset.lr_latent_hw, dtype=bf), ref)
         rgb, cache = m["vae"].decode(torch.randn(1, c, 2, 4, 4, dtype=bf))
     for out in (feats, text, v, hr, rgb, *cache):

@@ -24,7 +24,7 @@ from bench.quality import (
     seam_score,
     write_wav,
 )
-from models.avatars.dataset import AvatarRenderer, render_clip
+from models.avatars.dataset import AvatarClip, AvatarRenderer, render_clip
 from models.avatars.face import measure_mouth_opening
 from models.avatars.speech import SAMPLE_RATE, SpeechSynth, speechlike_signal
 
@@ -32,30 +32,30 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def clip() -> object:
+def clip() -> AvatarClip:
     return render_clip(1_000_002, 21, 150, "heldout", synth=SpeechSynth(use_espeak=False))
 
 
-def test_gt_lipsync_is_in_sync(clip: object) -> None:
-    measured = measure_mouth_opening(clip.frames, clip.mouth_box)  # type: ignore[attr-defined]
-    r0, lag, rb = lipsync(audio_envelope(clip.audio, 150), measured)  # type: ignore[attr-defined]
+def test_gt_lipsync_is_in_sync(clip: AvatarClip) -> None:
+    measured = measure_mouth_opening(clip.frames, clip.mouth_box)
+    r0, lag, rb = lipsync(audio_envelope(clip.audio, 150), measured)
     assert r0 >= 0.95 and lag == 0 and rb == r0
 
 
-def test_frozen_video_has_no_lipsync(clip: object) -> None:
+def test_frozen_video_has_no_lipsync(clip: AvatarClip) -> None:
     rng = np.random.default_rng(0)
-    frozen = np.repeat(clip.frames[:1], 150, axis=0).astype(np.int16)  # type: ignore[attr-defined]
+    frozen = np.repeat(clip.frames[:1], 150, axis=0).astype(np.int16)
     frozen = np.clip(frozen + rng.integers(-3, 4, frozen.shape), 0, 255).astype(np.uint8)
-    r0, _, _ = lipsync(audio_envelope(clip.audio, 150),  # type: ignore[attr-defined]
-                       measure_mouth_opening(frozen, clip.mouth_box[0]))  # type: ignore[attr-defined]
+    r0, _, _ = lipsync(audio_envelope(clip.audio, 150),
+                       measure_mouth_opening(frozen, clip.mouth_box[0]))
     assert abs(r0) < 0.25
 
 
 @pytest.mark.parametrize("shift", [3, -2])
-def test_shifted_video_gives_the_offset(clip: object, shift: int) -> None:
-    measured = measure_mouth_opening(clip.frames, clip.mouth_box)  # type: ignore[attr-defined]
+def test_shifted_video_gives_the_offset(clip: AvatarClip, shift: int) -> None:
+    measured = measure_mouth_opening(clip.frames, clip.mouth_box)
     shifted = np.roll(measured, shift)  # shift > 0: the video shows each mouth `shift` frames late
-    r0, lag, rb = lipsync(audio_envelope(clip.audio, 150), shifted)  # type: ignore[attr-defined]
+    r0, lag, rb = lipsync(audio_envelope(clip.audio, 150), shifted)
     assert lag == shift and rb > 0.9 and r0 < rb - 0.1
 
 
@@ -83,6 +83,8 @@ def test_drift_ratio_detects_colour_drift() -> None:
     stable = _synthetic_meter(40, 0.0).summary(audio, [])
     assert drifting["drift_ratio"] > 1.2 and drifting["drift_face_ratio"] > 1.2
     assert drifting["drift_background_ratio"] > 1.2
+    (minute,) = drifting["drift_face_per_minute"]  # 40 s: one (partial) minute
+    assert drifting["drift_face_first"] < minute < drifting["drift_face_last"]
     assert stable["drift_ratio"] <= 1.05
 
 
@@ -120,8 +122,8 @@ def test_load_audio_roundtrip(tmp_path: Path) -> None:
 
 
 def _args(**kw: object) -> argparse.Namespace:
-    base = dict(minutes=0.25, audio=None, ground_truth=False, identity=0, seed=0, chunk_frames=16,
-                context_frames=4, interp_frames=4, render_fn="pipeline.render:render_for_quality")
+    base = dict(minutes=0.15, audio=None, ground_truth=False, identity=0, seed=0, chunk_frames=16,
+                context_frames=4, interp_frames=4, render_fn="bench.quality_render:render_for_quality")
     base.update(kw)
     return argparse.Namespace(**base)
 

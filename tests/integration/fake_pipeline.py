@@ -1,0 +1,297 @@
+"""A stand-in for ``pipeline.render`` with the same signature, for the job/worker integration tests.
+
+Deterministic: fragment ``i`` of seed ``s`` depends on a rolling hash state carried from fragment 0,
+so resuming from the wrong state gives different bytes (the resume tests can fail). It sleeps
+``sleep_s`` per chunk, honours ``resume_state`` / ``should_cancel`` / ``on_progress`` exactly as the
+contract says, and appends one line per fragment it produces to ``$LONGTAKE_FAKE_RENDER_LOG`` (the
+render counter).
+
+The "audio" input is a small JSON file describing the render: ``{"num_fragments": 6,
+"sleep_s": 0.2, "fail_at": null, "fail_code": null}``. The image input is only checked to exist.
+
+Also here: :class:`LocalDelivery`, a minimal local-directory delivery with the ``JobDelivery``
+shape, used when ``worker.delivery`` is not available in this checkout. Like the real one it
+writes segment + resume state before calling ``on_commit`` and writes ``final.mp4`` = init + all
+fragments at ``close(ok=True)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from pipeline.errors import CancelledError, InvalidInputError, OutOfMemoryError, RenderError
+from pipeline.media_types import Fragment, FrameSink, InitSegment
+
+FPS = 25
+FRAMES_PER_FRAGMENT = 10
+FRAGMENT_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class RenderRequest:
+    image: Path
+    audio: Path
+    text: str | None = None
+    seed: int = 0
+    preset: str = "tiny"
+    checkpoint: Path | None = None
+
+
+@dataclass(frozen=True)
+class RenderProgress:
+    emission_index: int
+    num_emissions: int
+    frames_done: int
+    num_frames: int
+    elapsed_s: float
+
+
+@dataclass(frozen=True)
+class RenderResult:
+    num_frames: int
+    duration_s: float
+    ttff_s: float
+    wall_s: float
+    peak_rss_bytes: int
+    stage_s: dict[str, float] = field(default_factory=dict)
+
+
+def write_plan(
+    path: Path,
+    *,
+    num_fragments: int,
+    sleep_s: float,
+    fail_at: int | None = None,
+    fail_code: str | None = None,
+) -> Path:
+    """Write the JSON 'audio' file that drives the fake render."""
+    path.write_text(
+        json.dumps(
+            {"num_fragments": num_fragments, "sleep_s": sleep_s, "fail_at": fail_at, "fail_code": fail_code}
+        )
+    )
+    return path
+
+
+def init_segment(seed: int) -> InitSegment:
+    return InitSegment(
+        data=b"FAKEINIT" + seed.to_bytes(8, "big") * 8,
+        width=64,
+        height=64,
+        fps=FPS,
+        sample_rate=16000,
+        video_codec="avc1.64001e",
+        audio_codec="mp4a.40.2",
+    )
+
+
+def _start_state(seed: int) -> bytes:
+    return hashlib.sha256(f"longtake-fake-{seed}".encode()).digest()
+
+
+def _fragment(seed: int, index: int, acc: bytes, num_fragments: int) -> tuple[Fragment, bytes]:
+    block = hashlib.sha256(acc + index.to_bytes(8, "big")).digest()
+    data = (block * (FRAGMENT_BYTES // len(block) + 1))[:FRAGMENT_BYTES]
+    acc = hashlib.sha256(acc + data).digest()
+    state = json.dumps({"seed": seed, "next": index + 1, "acc": acc.hex()}).encode()
+    frag = Fragment(
+        index=index,
+        data=data,
+        first_frame=index * FRAMES_PER_FRAGMENT,
+        num_frames=FRAMES_PER_FRAGMENT,
+        start_s=index * FRAMES_PER_FRAGMENT / FPS,
+        duration_s=FRAMES_PER_FRAGMENT / FPS,
+        is_last=index == num_fragments - 1,
+        resume_state=state,
+    )
+    return frag, acc
+
+
+def expected_output(seed: int, num_fragments: int) -> bytes:
+    """init + every fragment of an uninterrupted render, computed without sleeping."""
+    out = [init_segment(seed).data]
+    acc = _start_state(seed)
+    for i in range(num_fragments):
+        frag, acc = _fragment(seed, i, acc, num_fragments)
+        out.append(frag.data)
+    return b"".join(out)
+
+
+def _count(seed: int, index: int) -> None:
+    path = os.environ.get("LONGTAKE_FAKE_RENDER_LOG")
+    if path:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, f"{seed} {index} {os.getpid()}\n".encode())
+        finally:
+            os.close(fd)
+
+
+def render(
+    request: RenderRequest,
+    sinks: Sequence[FrameSink],
+    *,
+    mode: str = "streaming",
+    resume_state: bytes | None = None,
+    should_cancel: Callable[[], bool] | None = None,
+    on_progress: Callable[[RenderProgress], None] | None = None,
+) -> RenderResult:
+    t0 = time.monotonic()
+    if not Path(request.image).is_file():
+        raise InvalidInputError(f"image: {request.image} does not exist", field="image")
+    plan = json.loads(Path(request.audio).read_text())
+    n, sleep_s = int(plan["num_fragments"]), float(plan["sleep_s"])
+    seed = request.seed
+    start, acc = 0, _start_state(seed)
+    if resume_state is not None:
+        st = json.loads(resume_state)
+        if st["seed"] != seed:
+            raise InvalidInputError(
+                f"resume_state is for seed {st['seed']}, not {seed}", field="resume_state"
+            )
+        start, acc = int(st["next"]), bytes.fromhex(st["acc"])
+    for s in sinks:
+        s.open(init_segment(seed))
+    ttff = 0.0
+    try:
+        for i in range(start, n):
+            if should_cancel is not None and should_cancel():
+                raise CancelledError(f"cancelled before fragment {i}")
+            time.sleep(sleep_s)
+            if plan.get("fail_at") == i:
+                code = plan.get("fail_code") or "invalid_input"
+                err: RenderError = (
+                    OutOfMemoryError("fake OOM")
+                    if code == "out_of_memory"
+                    else InvalidInputError(f"fake bad input at fragment {i}", field="audio")
+                )
+                raise err
+            frag, acc = _fragment(seed, i, acc, n)
+            _count(seed, i)
+            for s in sinks:
+                s.write(frag)
+            if not ttff:
+                ttff = time.monotonic() - t0
+            if on_progress is not None:
+                on_progress(
+                    RenderProgress(
+                        emission_index=i,
+                        num_emissions=n,
+                        frames_done=(i + 1) * FRAMES_PER_FRAGMENT,
+                        num_frames=n * FRAMES_PER_FRAGMENT,
+                        elapsed_s=time.monotonic() - t0,
+                    )
+                )
+    except BaseException:
+        for s in sinks:
+            s.close(ok=False)
+        raise
+    for s in sinks:
+        s.close(ok=True)
+    return RenderResult(
+        num_frames=n * FRAMES_PER_FRAGMENT,
+        duration_s=n * FRAMES_PER_FRAGMENT / FPS,
+        ttff_s=ttff,
+        wall_s=time.monotonic() - t0,
+        peak_rss_bytes=0,
+    )
+
+
+# ------------------------------------------------------------------------------------------ delivery
+@dataclass(frozen=True)
+class _Committed:
+    index: int
+    key: str
+    nbytes: int
+    duration_s: float
+    checksum: str
+    state_key: str | None
+    first_frame: int
+    num_frames: int
+
+
+class _LocalSink:
+    def __init__(
+        self, root: Path, prefix: str, committed: Sequence[Any], on_commit: Callable[[Any], None]
+    ) -> None:
+        self.root, self.prefix = root, prefix
+        self.committed = list(committed)
+        self.on_commit = on_commit
+        self.init: bytes | None = None
+
+    def _path(self, name: str) -> Path:
+        p = self.root / self.prefix / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        return p
+
+    def open(self, init: InitSegment) -> None:
+        self.init = init.data
+        self._path("init.mp4").write_bytes(init.data)
+
+    def write(self, fragment: Fragment) -> None:
+        expected = self.committed[-1].index + 1 if self.committed else 0
+        if fragment.index != expected:
+            raise RuntimeError(f"LocalSink: fragment {fragment.index} arrived, expected {expected}")
+        seg, state = f"seg_{fragment.index:05d}.m4s", f"state_{fragment.index:05d}.bin"
+        self._path(seg).write_bytes(fragment.data)
+        self._path(state).write_bytes(fragment.resume_state or b"")
+        c = _Committed(
+            index=fragment.index,
+            key=self.prefix + seg,
+            nbytes=len(fragment.data),
+            duration_s=fragment.duration_s,
+            checksum=hashlib.sha256(fragment.data).hexdigest(),
+            state_key=self.prefix + state,
+            first_frame=fragment.first_frame,
+            num_frames=fragment.num_frames,
+        )
+        self.on_commit(c)
+        self.committed.append(c)
+
+    def close(self, *, ok: bool) -> None:
+        if ok and self.init is not None:
+            parts = [self.init] + [(self.root / c.key).read_bytes() for c in self.committed]
+            self._path("final.mp4").write_bytes(b"".join(parts))
+
+
+class LocalDelivery:
+    """``JobDelivery`` on a local directory (``object_store_url`` must be ``file:///abs/dir``)."""
+
+    def __init__(
+        self,
+        settings: Any,
+        *,
+        tenant: str,
+        job_id: str,
+        spec: Any,
+        committed: Sequence[Any],
+        on_commit: Callable[[Any], None],
+    ) -> None:
+        self.root = Path(urlsplit(settings.object_store_url).path)
+        self.prefix = f"tenants/{tenant}/jobs/{job_id}/"
+        self.sink = _LocalSink(self.root, self.prefix, committed, on_commit)
+        self.sinks = [self.sink]
+
+    def outputs(self) -> dict[str, str]:
+        return {"mp4": f"file://{self.root / self.prefix / 'final.mp4'}"}
+
+    def partial_outputs(self) -> dict[str, str]:
+        return {"segments": f"file://{self.root / self.prefix}"}
+
+    def load_state(self, key: str) -> bytes:
+        return (self.root / key).read_bytes()
+
+    def abandon(self) -> None:
+        pass
+
+
+def local_delivery(settings: Any, **kw: Any) -> LocalDelivery:
+    return LocalDelivery(settings, **kw)

@@ -1,0 +1,330 @@
+"""Runs one render attempt on this worker's NodeEngine (persistent, warm rank processes).
+
+Who calls: :mod:`worker.tasks` — :class:`JobWorker` owns one :class:`NodeExecutor` for the life of
+the worker process (started lazily by the first job, on the task's thread: in the prefork pool that
+is the pool child, never the Celery parent). Per attempt it builds a :class:`RenderJob` (plain,
+picklable) and the job's sinks, then calls :meth:`NodeExecutor.run` on the task's thread.
+
+Every rank runs :func:`render_attempt` (``Settings.render_entry`` through
+:func:`pipeline.placement.render_job.render_entry_job`, with the worker's JSON logging); rank 0
+publishes init/fragments/close and progress, which arrive here in order and are relayed to the
+real sinks (uploads and lease-fenced commits happen in this process, next to the job row). The
+ranks keep their modules between jobs, so the model family is loaded once per worker, not per job.
+
+Stopping: ``stop_reason`` is polled; on ``"cancel"`` or ``"lease_lost"`` the job's cancel flag is
+set and the render ends between chunks; if it has not ended after ``cancel_grace_s`` the engine
+kills its ranks (they are restarted, cold, by the next job). A rank that dies mid-job ends the
+attempt with the engine's ``RankDiedError`` (retryable, names the rank, pid and signal). The ranks
+die with this process (``PR_SET_PDEATHSIG`` + a watchdog in :mod:`pipeline.placement.rank`), so
+``kill -9`` of a worker leaves no orphan render.
+
+Nothing here keeps fragments after relaying them.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from multiprocessing.process import AuthenticationString as _AuthKey  # type: ignore[attr-defined]
+from typing import TYPE_CHECKING, Any, Literal
+
+from pipeline.errors import RenderError
+from pipeline.media_types import Fragment, FrameSink, InitSegment
+
+if TYPE_CHECKING:  # torch is imported only where the engine is used, never by the Celery parent
+    from pathlib import Path
+
+    from pipeline.placement.engine import NodeEngine
+    from pipeline.placement.rank import RankContext
+
+log = logging.getLogger(__name__)
+
+OutcomeStatus = Literal["succeeded", "cancelled", "failed", "stopped"]
+RANK_JOB = "worker.runner:render_attempt"
+
+
+@dataclass(frozen=True)
+class RenderJob:
+    """Everything the ranks need (picklable; paths are local files already fetched)."""
+
+    job_id: str
+    entry: str
+    image: str
+    audio: str
+    text: str | None
+    seed: int
+    preset: str
+    checkpoint: str | None
+    resume_state: bytes | None
+    log_level: str = "INFO"
+    log_json: bool = True
+
+    def payload(self) -> dict[str, object]:
+        return {
+            "job_id": self.job_id,
+            "entry": self.entry,
+            "request": {
+                "image": self.image,
+                "audio": self.audio,
+                "text": self.text,
+                "seed": self.seed,
+                "preset": self.preset,
+                "checkpoint": self.checkpoint,
+            },
+            "resume_state": self.resume_state,
+            "mode": "streaming",
+            "log_level": self.log_level,
+            "log_json": self.log_json,
+        }
+
+
+@dataclass(frozen=True)
+class RenderOutcome:
+    """How an attempt ended. ``stopped``: the parent stopped it because the lease was lost."""
+
+    status: OutcomeStatus
+    code: str | None = None
+    message: str | None = None
+    retryable: bool = False
+    result: dict[str, Any] | None = None
+    warm: dict[str, Any] | None = None
+
+
+# ------------------------------------------------------------------------------------------ rank side
+_logging_configured = False
+
+
+def render_attempt(ctx: RankContext, payload: Mapping[str, object]) -> dict[str, object]:
+    """The rank job of the worker: the render entry with the worker's logging (job id on records)."""
+    global _logging_configured
+    from pipeline.placement.render_job import render_entry_job
+    from worker.logging import configure_logging, job_context
+
+    if not _logging_configured:
+        configure_logging(str(payload.get("log_level", "INFO")), json_lines=bool(payload.get("log_json", True)))
+        _logging_configured = True
+    with job_context(str(payload["job_id"])):
+        return render_entry_job(ctx, payload)
+
+
+# --------------------------------------------------------------------------------------- parent side
+@contextmanager
+def _children_allowed() -> Iterator[None]:
+    """Celery's prefork pool runs tasks in daemonic processes, and multiprocessing refuses to start
+    children from those (so that no orphans outlive an exiting daemon). The ranks are supervised
+    (joined, killed, PR_SET_PDEATHSIG), so the flag is lifted while the engine starts them."""
+    cfg = mp.current_process()._config  # type: ignore[attr-defined]
+    daemon = cfg.pop("daemon", None)
+    authkey = cfg.get("authkey")
+    if authkey is not None and not isinstance(authkey, _AuthKey):
+        # billiard (the prefork pool) leaves its own AuthenticationString type here, which the
+        # stdlib spawn refuses to pickle; give the children a key of the stdlib type
+        cfg["authkey"] = _AuthKey(bytes(authkey))
+    try:
+        yield
+    finally:
+        if daemon is not None:
+            cfg["daemon"] = daemon
+        if authkey is not None:
+            cfg["authkey"] = authkey
+
+
+class _StopOverdue(Exception):
+    """Raised from ``should_cancel`` when the render ignored a stop for ``cancel_grace_s``: the
+    engine then kills its ranks (see ``NodeEngine.run``)."""
+
+
+class _Relay:
+    """Replays rank 0's events onto the sinks and callbacks (on the task's thread)."""
+
+    def __init__(
+        self,
+        sinks: Sequence[FrameSink],
+        on_progress: Callable[[dict[str, Any]], None] | None,
+        on_fragment: Callable[[Fragment], None] | None,
+    ) -> None:
+        self.sinks = list(sinks)
+        self.on_progress = on_progress
+        self.on_fragment = on_fragment
+        self.opened = False
+        self.closed = False
+
+    def on_event(self, event: object) -> None:
+        from pipeline.placement.relay import SinkClosed
+        from pipeline.placement.render_job import ProgressEvent
+
+        if isinstance(event, InitSegment):
+            self.opened = True
+            for sink in self.sinks:
+                sink.open(event)
+        elif isinstance(event, Fragment):
+            if self.on_fragment is not None:
+                self.on_fragment(event)
+            for sink in self.sinks:
+                sink.write(event)
+        elif isinstance(event, SinkClosed):
+            self.close(ok=event.ok, raise_errors=True)
+        elif isinstance(event, ProgressEvent):
+            if self.on_progress is not None:
+                self.on_progress(event.fields)
+        else:
+            raise TypeError(f"render rank published an unknown {type(event).__name__} event")
+
+    def close(self, *, ok: bool, raise_errors: bool = False) -> None:
+        self.closed = True
+        first: BaseException | None = None
+        for sink in self.sinks:
+            try:
+                sink.close(ok=ok)
+            except Exception as exc:
+                if first is None:
+                    first = exc
+                if not raise_errors:
+                    log.warning("closing sink %s (ok=%s) failed: %s", type(sink).__name__, ok, exc)
+        if raise_errors and first is not None:
+            raise first
+
+
+class NodeExecutor:
+    """This worker process's NodeEngine and how one attempt runs on it. Not thread-safe: one
+    attempt at a time (the worker renders one job at a time across its node)."""
+
+    def __init__(
+        self,
+        *,
+        ranks: int,
+        device: str,
+        threads_per_rank: int,
+        start_timeout_s: float = 600.0,
+        preset: str = "tiny",
+        checkpoint: Path | None = None,
+    ) -> None:
+        self.ranks = ranks
+        self.preset = preset
+        self.checkpoint = checkpoint
+        self.device = device
+        self.threads_per_rank = threads_per_rank
+        self.start_timeout_s = start_timeout_s
+        self._engine: NodeEngine | None = None
+        self._owner_pid = os.getpid()
+
+    @property
+    def engine(self) -> NodeEngine:
+        """The engine (created on first use; ranks spawned by the first ``run``)."""
+        if self._engine is None:
+            from pipeline.placement.engine import EngineConfig, NodeEngine
+            from pipeline.placement.loaders import family_loaders
+
+            # One rank renders with its own (lazily loaded, warm) family; several ranks shard the
+            # preset's large models across them, loaded once when the engine starts.
+            loaders = family_loaders(self.preset, checkpoint=self.checkpoint) if self.ranks > 1 else {}
+            self._engine = NodeEngine(
+                EngineConfig(
+                    loaders=loaders,
+                    world_size=self.ranks,
+                    device_type=self.device,
+                    threads_per_rank=self.threads_per_rank,
+                    start_timeout_s=self.start_timeout_s,
+                )
+            )
+        return self._engine
+
+    @property
+    def pids(self) -> list[int]:
+        return self._engine.pids if self._engine is not None else []
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the ranks (worker shutdown). Only the process that started them may."""
+        if self._engine is not None and os.getpid() == self._owner_pid:
+            self._engine.close(timeout_s=timeout_s)
+
+    def run(
+        self,
+        job: RenderJob,
+        sinks: Sequence[FrameSink],
+        *,
+        stop_reason: Callable[[], str | None],
+        on_progress: Callable[[dict[str, Any]], None] | None = None,
+        on_fragment: Callable[[Fragment], None] | None = None,
+        cancel_grace_s: float = 10.0,
+        timeout_s: float | None = None,
+        poll_s: float = 0.1,
+    ) -> RenderOutcome:
+        """Render ``job`` into ``sinks`` on the ranks; never raises for render/sink/rank failures."""
+        relay = _Relay(sinks, on_progress, on_fragment)
+        stop: list[str] = []
+        stop_at: list[float] = []
+
+        def should_cancel() -> bool:
+            if not stop:
+                reason = stop_reason()
+                if reason is not None:
+                    stop.append(reason)
+                    stop_at.append(time.monotonic())
+                    log.info("%s: asking the render to stop after this chunk", reason)
+            if stop and time.monotonic() - stop_at[0] > cancel_grace_s:
+                raise _StopOverdue(
+                    f"render did not stop within cancel_grace_s={cancel_grace_s} s of the {stop[0]}; "
+                    f"its ranks {self.pids} were killed and restart at the next job"
+                )
+            return bool(stop)
+
+        engine = self.engine
+        outcome: RenderOutcome
+        try:
+            with _children_allowed():
+                result = engine.run(
+                    RANK_JOB,
+                    job.payload(),
+                    timeout_s=timeout_s,
+                    on_event=relay.on_event,
+                    should_cancel=should_cancel,
+                    poll_s=poll_s,
+                )
+            value = result.value if isinstance(result.value, dict) else {}
+            warm = value.get("warm")
+            rendered = value.get("result") or {}
+            log.info(
+                "render done on engine generation %d (rank pids %s): %s",
+                engine.generation,
+                engine.pids,
+                warm,
+                extra={"warm": warm, "ttff_s": rendered.get("ttff_s"), "wall_s": rendered.get("wall_s")},
+            )
+            outcome = RenderOutcome(status="succeeded", result=value.get("result"), warm=warm)
+            if not relay.closed:
+                outcome = RenderOutcome(
+                    status="failed",
+                    code="render_failed",
+                    retryable=True,
+                    message="render returned without closing its sinks",
+                )
+        except _StopOverdue as exc:
+            log.warning("%s", exc)
+            outcome = RenderOutcome(status="cancelled", code="cancelled", message=str(exc))
+        except RenderError as exc:  # from the ranks (original type) or the engine (rank died, ...)
+            if exc.code == "cancelled":
+                outcome = RenderOutcome(status="cancelled", code="cancelled", message=str(exc))
+            else:
+                outcome = RenderOutcome(
+                    status="failed", code=exc.code, message=str(exc), retryable=exc.retryable
+                )
+        except Exception as exc:  # a real sink failed (upload, lease lost during a commit)
+            log.error("sink failed: %s; the render was stopped", exc)
+            outcome = RenderOutcome(
+                status="failed",
+                code=str(getattr(exc, "code", "sink_error")),
+                message=str(exc),
+                retryable=bool(getattr(exc, "retryable", True)),
+            )
+        finally:
+            if relay.opened and not relay.closed:
+                relay.close(ok=False)
+        if stop and stop[0] == "lease_lost":
+            return RenderOutcome(status="stopped", code="lease_lost", message="lease lost")
+        return outcome

@@ -1,0 +1,200 @@
+"""Deployment settings: the only place that reads environment variables (prefix ``LONGTAKE_``).
+
+Built once per process by its entry point (CLI command, Celery worker start, API app factory) with
+``Settings()`` and passed down; nothing creates settings at import time except
+:mod:`worker.celery_app`, whose module-level ``app`` is what ``celery -A worker.celery_app`` loads.
+Each component receives the fields it needs, not the whole object.
+
+The defaults are the embedded ones (SQLite, a local directory as object store) so a laptop needs
+no servers; production sets ``LONGTAKE_DATABASE_URL``, ``LONGTAKE_BROKER_URL`` and
+``LONGTAKE_OBJECT_STORE_URL``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Every field has a docstring-like description and a constraint."""
+
+    model_config = SettingsConfigDict(env_prefix="LONGTAKE_", extra="ignore", frozen=True)
+
+    # --- storage of record -------------------------------------------------------------------
+    database_url: str = Field(
+        default="sqlite:///.longtake/longtake.db",
+        description="SQLAlchemy URL of the jobs database, e.g. postgresql+psycopg://user@host/db",
+    )
+    db_pool_size: int = Field(
+        default=5, ge=1, le=100, description="Connections kept per process (PostgreSQL)"
+    )
+    db_retry_attempts: int = Field(
+        default=8, ge=1, le=100, description="Tries of one DB operation on connection loss before giving up"
+    )
+    db_retry_max_wait_s: float = Field(
+        default=4.0, gt=0, le=60, description="Longest back-off between two tries of one DB operation"
+    )
+    object_store_url: str = Field(
+        default="file://.longtake/objects",
+        description="Where outputs go: s3://bucket/prefix or file:///abs/dir (a relative file:// path is "
+        "taken from the working directory)",
+    )
+    kvs_endpoint_url: str | None = Field(
+        default=None, description="Kinesis Video Streams control endpoint (a local stand-in); None = AWS"
+    )
+    s3_endpoint_url: str | None = Field(
+        default=None, description="S3-compatible endpoint (MinIO, moto); None = AWS"
+    )
+    file_root: Path | None = Field(
+        default=None, description="Directory that file:// inputs must lie under; None rejects file:// inputs"
+    )
+    work_dir: Path = Field(
+        default=Path(".longtake/work"), description="Scratch directory for downloaded inputs"
+    )
+
+    # --- queue ---------------------------------------------------------------------------------
+    broker_url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        description="Celery broker URL (redis://host:port/db); 'memory://' for the embedded demo",
+    )
+    queue_name: str = Field(default="longtake", description="Celery queue the render tasks go to")
+    max_job_s: float = Field(
+        default=48 * 3600.0,
+        gt=0,
+        description="Longest a job may run (wall clock); the broker visibility timeout must exceed it",
+    )
+    visibility_timeout_s: int = Field(
+        default=72 * 3600,
+        gt=0,
+        description="Redis visibility timeout: an unacked message is redelivered after this",
+    )
+    broker_socket_timeout_s: float = Field(
+        default=10.0, gt=0, description="Redis socket (read/connect) timeout"
+    )
+    broker_retry_max_s: float = Field(
+        default=300.0, gt=0, description="How long the worker keeps retrying a lost broker connection"
+    )
+
+    # --- leases -------------------------------------------------------------------------------
+    lease_s: float = Field(default=60.0, gt=0, description="A claim is valid this long unless heartbeated")
+    heartbeat_s: float = Field(
+        default=10.0, gt=0, description="Interval between lease heartbeats (< lease_s / 2)"
+    )
+    max_attempts: int = Field(
+        default=3, ge=1, le=100, description="Claims per job before it is failed for good"
+    )
+    state_every: int = Field(
+        default=8,
+        ge=1,
+        le=1000,
+        description="Store the resume state with every N-th segment (1 = every segment). The tiny "
+        "preset's state is ~1.1 MB against ~250 kB of video per segment; a retry re-renders at most "
+        "N-1 segments, which reproduce the committed bytes and are not uploaded again",
+    )
+    reaper_interval_s: float = Field(
+        default=15.0,
+        gt=0,
+        description="How often each worker's reaper thread requeues expired leases (0 = off)",
+    )
+    reaper_enabled: bool = Field(default=True, description="Run the reaper thread in the worker process")
+    cancel_grace_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="After a cancel (or a lost lease): wait this long for the render to stop between "
+        "chunks, then kill the node's rank processes (they restart, cold, with the next job)",
+    )
+    kill_grace_s: float = Field(
+        default=5.0, ge=0, description="At worker shutdown: seconds the ranks get to exit before SIGKILL"
+    )
+    cancel_poll_s: float = Field(
+        default=1.0, gt=0, description="How often a running job's cancel flag is read"
+    )
+
+    # --- rendering ----------------------------------------------------------------------------
+    render_entry: str = Field(
+        default="pipeline.render:render",
+        description="module:function of the render entry point every rank process calls (its module "
+        "also defines RenderRequest)",
+    )
+    node_ranks: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Rank processes of the worker's NodeEngine (one per GPU; 1 on a CPU-only machine)",
+    )
+    node_device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto",
+        description="Device type of the ranks; auto = cuda when the NVIDIA driver lists a GPU, else cpu "
+        "(decided without initialising CUDA in the worker process)",
+    )
+    node_preset: str = Field(
+        default="tiny",
+        description="Model preset the ranks load and shard up front when node_ranks > 1 (jobs for "
+        "another preset then fail with a clear error); with one rank any preset is loaded on first use",
+    )
+    node_threads_per_rank: int = Field(
+        default=0,
+        ge=0,
+        le=1024,
+        description="torch threads per rank; 0 = the rank's share of the cores minus one for its "
+        "publisher thread (pipeline.host.default_threads)",
+    )
+    delivery_factory: str = Field(
+        default="worker.tasks:s3_delivery",
+        description="module:function building a job's sinks (see worker.tasks.JobDelivery)",
+    )
+    checkpoint: Path | None = Field(
+        default=None, description="Model checkpoint for the preset (None = preset default)"
+    )
+    worker_name: str | None = Field(default=None, description="Lease owner name; default host:pid")
+
+    # --- operations ---------------------------------------------------------------------------
+    metrics_port: int = Field(
+        default=0, ge=0, le=65535, description="Prometheus endpoint port of a worker; 0 = off"
+    )
+    log_level: str = Field(default="INFO", description="Root log level")
+    log_json: bool = Field(default=True, description="Structured JSON logs (one object per line)")
+
+    # --- HTTP API -----------------------------------------------------------------------------
+    api_host: str = Field(default="127.0.0.1", description="Address the API binds")
+    api_port: int = Field(default=8000, ge=0, le=65535, description="Port the API binds")
+    api_tokens: dict[str, str] = Field(
+        default_factory=dict, description="Bearer token -> tenant id (JSON object in LONGTAKE_API_TOKENS)"
+    )
+    presign_expires_s: int = Field(
+        default=3600, gt=0, le=7 * 86400, description="Lifetime of presigned output URLs"
+    )
+    upload_max_bytes: int = Field(default=512 * 1024 * 1024, gt=0, description="Largest accepted upload")
+
+    def resolved_node_device(self) -> str:
+        """``node_device`` with ``auto`` decided from the driver's GPU list (no CUDA call here: the
+        Celery process must never initialise CUDA)."""
+        if self.node_device != "auto":
+            return self.node_device
+        gpus = Path("/proc/driver/nvidia/gpus")
+        return "cuda" if gpus.is_dir() and any(gpus.iterdir()) else "cpu"
+
+    def resolved_node_threads(self) -> int:
+        if self.node_threads_per_rank:
+            return self.node_threads_per_rank
+        from pipeline.host import default_threads
+
+        return default_threads(self.node_ranks)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        if self.visibility_timeout_s <= self.max_job_s:
+            raise ValueError(
+                f"visibility_timeout_s={self.visibility_timeout_s} must exceed max_job_s={self.max_job_s}, "
+                "or Redis redelivers a running job's message; raise LONGTAKE_VISIBILITY_TIMEOUT_S"
+            )
+        if self.heartbeat_s * 2 > self.lease_s:
+            raise ValueError(
+                f"heartbeat_s={self.heartbeat_s} must be at most lease_s/2={self.lease_s / 2}; "
+                "lower LONGTAKE_HEARTBEAT_S or raise LONGTAKE_LEASE_S"
+            )
+        return self

@@ -1,0 +1,230 @@
+"""The render job specification: what a user asks for, validated once, stored on the job row.
+
+Who builds one: the HTTP API (from JSON or a multipart upload), the Python client, the CLI. The store
+keeps ``JobSpec.model_dump(mode="json")`` in ``jobs.spec``; the worker rebuilds it with
+``JobSpec.model_validate`` when it claims the job. The tenant is NOT part of the spec: it comes from
+authentication and is passed to :meth:`worker.store.JobStore.create` separately.
+
+Input URIs take one of three forms:
+
+- ``s3://bucket/key`` — an object the worker downloads before rendering;
+- ``file:///abs/path`` — a local file, only under the operator's allowed root
+  (``Settings.file_root``); rejected when no root is configured;
+- ``upload://<upload_id>`` — a file uploaded through the API, stored at
+  ``tenants/<tenant>/uploads/<upload_id>`` in the job object store.
+
+The allowed root is passed as validation context (``JobSpec.model_validate(data,
+context=spec_context(settings))``). Without a context, ``file://`` URIs are checked for syntax only;
+the worker checks the root again before it reads anything (:func:`resolve_file_uri`).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+from urllib.parse import unquote, urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+TEXT_MAX_CHARS = 2000
+"""Longest text/scene prompt accepted; longer prompts are truncated by no one — they are rejected."""
+
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
+_UPLOAD_ID_RE = re.compile(r"^[A-Za-z0-9_\-]{8,64}$")
+_KEY_RE = re.compile(r"^[A-Za-z0-9_\-.:]{1,128}$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,256}$")
+_REGION_RE = re.compile(r"^[a-z]{2}(-gov)?-[a-z]+-\d$")
+_PRESET_RE = re.compile(r"^[a-z0-9][a-z0-9._\-]{0,31}$")
+
+
+FILE_ROOT_KEY = "file_root"
+"""Validation-context key: the directory ``file://`` inputs must lie under (None: no file:// at all)."""
+
+
+def spec_context(file_root: Path | str | None) -> dict[str, Path | None]:
+    """The context the API passes to ``JobSpec.model_validate`` so ``file://`` URIs are checked
+    against the operator's allowed root (``Settings.file_root``)."""
+    return {FILE_ROOT_KEY: Path(file_root).resolve() if file_root is not None else None}
+
+
+def _check_no_traversal(field: str, uri: str, path: str) -> None:
+    parts = path.split("/")
+    if ".." in parts or "." in parts or "//" in path or "\\" in path or "\x00" in path:
+        raise ValueError(
+            f"{field}: {uri!r} contains '.', '..', '//', a backslash or NUL in its path; "
+            "give a normalised path with none of them"
+        )
+
+
+def resolve_file_uri(uri: str, file_root: Path | None, *, field: str = "input") -> Path:
+    """Map a ``file://`` URI to a local path that lies under ``file_root`` (symlinks resolved).
+
+    Called at validation (with the API's context) and again by the worker right before it opens
+    the file, so a spec stored before the root changed cannot escape it.
+    """
+    if file_root is None:
+        raise ValueError(
+            f"{field}: {uri!r} is a file:// URI but this deployment allows none; upload the file "
+            "(upload://…) or give an s3:// URI, or ask the operator to set LONGTAKE_FILE_ROOT"
+        )
+    parts = urlsplit(uri)
+    if parts.netloc not in ("", "localhost"):
+        raise ValueError(f"{field}: {uri!r} names host {parts.netloc!r}; use file:///absolute/path")
+    path = unquote(parts.path)
+    if not path.startswith("/"):
+        raise ValueError(f"{field}: {uri!r} is not absolute; use file:///absolute/path")
+    _check_no_traversal(field, uri, path)
+    root = Path(file_root).resolve()
+    resolved = Path(path).resolve()
+    if resolved != root and root not in resolved.parents:
+        raise ValueError(
+            f"{field}: {uri!r} resolves outside the allowed root {str(root)!r}; "
+            f"put the file under {str(root)!r} or upload it"
+        )
+    return resolved
+
+
+def _validate_input_uri(field: str, value: str, info: ValidationInfo) -> str:
+    if len(value) > 2048:
+        raise ValueError(f"{field}: URI of {len(value)} characters; keep it under 2048")
+    parts = urlsplit(value)
+    scheme = parts.scheme.lower()
+    if scheme == "s3":
+        if not _BUCKET_RE.match(parts.netloc):
+            raise ValueError(f"{field}: {value!r} has no valid bucket name; use s3://bucket/key")
+        key = unquote(parts.path).lstrip("/")
+        if not key or key.endswith("/"):
+            raise ValueError(f"{field}: {value!r} names no object; use s3://bucket/path/to/file")
+        _check_no_traversal(field, value, "/" + key)
+        if parts.query or parts.fragment:
+            raise ValueError(f"{field}: {value!r} has a query or fragment; remove it")
+        return value
+    if scheme == "file":
+        ctx = info.context if isinstance(info.context, dict) else None
+        if ctx is not None and FILE_ROOT_KEY in ctx:
+            resolve_file_uri(value, ctx[FILE_ROOT_KEY], field=field)
+        else:
+            path = unquote(parts.path)
+            if parts.netloc not in ("", "localhost") or not path.startswith("/"):
+                raise ValueError(f"{field}: {value!r} is not file:///absolute/path")
+            _check_no_traversal(field, value, path)
+        return value
+    if scheme == "upload":
+        if not _UPLOAD_ID_RE.match(parts.netloc) or parts.path not in ("", "/"):
+            raise ValueError(
+                f"{field}: {value!r} is not an upload reference; use upload://<id> with the id the "
+                "upload endpoint returned (8-64 letters, digits, '-' or '_')"
+            )
+        return value
+    raise ValueError(
+        f"{field}: {value!r} has scheme {scheme or '(none)'!r}; use s3://bucket/key, "
+        "file:///path under the allowed root, or upload://<id>"
+    )
+
+
+class KvsPreviewSpec(BaseModel):
+    """A live preview into an AWS Kinesis Video Streams stream (the stream must already exist)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    stream_name: str = Field(description="KVS stream name (1-256 of A-Z a-z 0-9 _ . -)")
+    region: str = Field(description="AWS region of the stream, e.g. us-east-1")
+
+    @field_validator("stream_name")
+    @classmethod
+    def _stream_name(cls, v: str) -> str:
+        if not _NAME_RE.match(v):
+            raise ValueError(
+                f"preview.kvs.stream_name: {v!r} is not a KVS stream name; use 1-256 of A-Z a-z 0-9 _ . -"
+            )
+        return v
+
+    @field_validator("region")
+    @classmethod
+    def _region(cls, v: str) -> str:
+        if not _REGION_RE.match(v):
+            raise ValueError(f"preview.kvs.region: {v!r} is not an AWS region; use e.g. 'us-east-1'")
+        return v
+
+
+class PreviewSpec(BaseModel):
+    """Watching a render while it runs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    hls: bool = Field(
+        default=True, description="Keep an HLS EVENT playlist updated as fragments are uploaded"
+    )
+    kvs: KvsPreviewSpec | None = Field(default=None, description="Also stream to this KVS stream, or none")
+
+
+class OutputSpec(BaseModel):
+    """What the finished job leaves in object storage."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    container: Literal["mp4"] = Field(default="mp4", description="Final file format (fragmented MP4)")
+    keep_segments: bool = Field(
+        default=True, description="Keep the per-fragment objects after the final MP4 is made"
+    )
+
+
+class JobSpec(BaseModel):
+    """One render request. Frozen; unknown fields are an error (``extra="forbid"``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    image: str = Field(
+        description="Reference image URI: s3://, file:// (under the allowed root) or upload://"
+    )
+    audio: str = Field(description="Driving audio URI: s3://, file:// (under the allowed root) or upload://")
+    text: str | None = Field(
+        default=None, description=f"Optional text/scene prompt, at most {TEXT_MAX_CHARS} characters"
+    )
+    seed: int = Field(
+        default=0, ge=0, lt=2**63, description="Seed; the same seed and inputs give the same video"
+    )
+    preset: str = Field(default="tiny", description="Model preset name (e.g. 'tiny')")
+    priority: int = Field(default=5, ge=0, le=9, description="Queue priority 0 (lowest) to 9 (highest)")
+    idempotency_key: str | None = Field(
+        default=None, description="Client key; a second submission with the same key returns the first job"
+    )
+    output: OutputSpec = Field(default_factory=OutputSpec)  # type: ignore[arg-type]
+    preview: PreviewSpec = Field(default_factory=PreviewSpec)  # type: ignore[arg-type]
+
+    @field_validator("image", "audio")
+    @classmethod
+    def _input_uri(cls, v: str, info: ValidationInfo) -> str:
+        return _validate_input_uri(str(info.field_name), v, info)
+
+    @field_validator("text")
+    @classmethod
+    def _text(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
+        if len(v) > TEXT_MAX_CHARS:
+            raise ValueError(
+                f"text: {len(v)} characters is over the limit of {TEXT_MAX_CHARS}; shorten the prompt"
+            )
+        if "\x00" in v:
+            raise ValueError("text: contains a NUL character; remove it")
+        return v
+
+    @field_validator("preset")
+    @classmethod
+    def _preset(cls, v: str) -> str:
+        if not _PRESET_RE.match(v):
+            raise ValueError(
+                f"preset: {v!r} is not a preset name; use lowercase letters, digits, '.', '_' or '-' (e.g. 'tiny')"
+            )
+        return v
+
+    @field_validator("idempotency_key")
+    @classmethod
+    def _idempotency_key(cls, v: str | None) -> str | None:
+        if v is not None and not _KEY_RE.match(v):
+            raise ValueError(
+                f"idempotency_key: {v!r} is not allowed; use 1-128 of A-Z a-z 0-9 _ - . : (e.g. a UUID)"
+            )
+        return v

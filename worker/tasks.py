@@ -1,0 +1,521 @@
+"""The render task: claim the row, render on the worker's NodeEngine under a heartbeated lease, end the row.
+
+Who calls: Celery runs :func:`register_tasks`' ``longtake.render_job(job_id)`` (registered by
+:func:`worker.celery_app.create_celery_app`); tests may call :meth:`JobWorker.run` directly. One
+:class:`JobWorker` per process holds the DB engine, the store and the :class:`NodeExecutor` (the
+node's warm rank processes, started by the first job); nothing else survives a task.
+
+One attempt:
+1. ``claim`` (conditional UPDATE). No lease -> the job is running elsewhere, finished, cancelled or
+   out of attempts: return without rendering (this is how a message delivered twice renders once).
+2. Fetch inputs (``file://`` re-checked against ``Settings.file_root``; ``s3://`` and ``upload://``
+   downloaded into ``work_dir``); read the committed segments and, if any, the resume state of the
+   last one.
+3. Build the job's delivery (``Settings.delivery_factory``; default :func:`s3_delivery`) whose
+   ``on_commit`` is the lease-fenced ``JobStore.commit_segment``.
+4. Start :class:`LeaseKeeper` (heartbeat every ``heartbeat_s`` with the latest progress, poll the
+   cancel flag every ``cancel_poll_s``) and run the render on :class:`worker.runner.NodeExecutor`.
+5. End the row by outcome: finish | mark_cancelled (+ abandon the multipart upload) | requeue and
+   publish a new message (retryable error, attempts left) | fail | nothing (lease lost: the row
+   belongs to someone else now).
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import unquote, urlsplit
+
+from celery import Celery
+
+from pipeline.errors import InvalidInputError
+from pipeline.media_types import Fragment, FrameSink, InitSegment
+from worker import metrics
+from worker.db import DbRetry, make_engine
+from worker.logging import job_context, set_chunk
+from worker.runner import NodeExecutor, RenderJob, RenderOutcome
+from worker.settings import Settings
+from worker.spec import JobSpec, resolve_file_uri
+from worker.store import JobRecord, JobStore, Lease, LeaseLostError, Progress, SegmentFields, SegmentRecord
+
+log = logging.getLogger(__name__)
+
+
+class JobDelivery(Protocol):
+    """Where one attempt's output goes. Built per attempt by ``Settings.delivery_factory`` with the
+    signature of :func:`s3_delivery`; ``on_commit`` must be called for each durably stored fragment
+    (in index order) and raises :class:`LeaseLostError` when the lease is gone."""
+
+    sinks: Sequence[FrameSink]
+
+    def outputs(self) -> dict[str, str]: ...
+    def partial_outputs(self) -> dict[str, str]: ...
+    def load_state(self, key: str) -> bytes: ...
+    def abandon(self) -> None: ...
+
+
+DeliveryFactory = Callable[..., JobDelivery]
+
+
+class _BestEffortSink:
+    """Wraps a preview sink (KVS) so that its failure costs the preview, not the job: the first
+    error is logged and the wrapped sink is dropped for the rest of the attempt."""
+
+    def __init__(self, sink: FrameSink, what: str) -> None:
+        self._sink: FrameSink | None = sink
+        self._what = what
+
+    def _call(self, fn: Callable[[FrameSink], None]) -> None:
+        if self._sink is None:
+            return
+        try:
+            fn(self._sink)
+        except Exception as exc:
+            log.warning("%s failed and is switched off for this attempt: %s", self._what, exc)
+            sink, self._sink = self._sink, None
+            try:
+                sink.close(ok=False)
+            except Exception as close_exc:
+                log.warning("%s: close after failure failed too: %s", self._what, close_exc)
+
+    def open(self, init: InitSegment) -> None:
+        self._call(lambda s: s.open(init))
+
+    def write(self, fragment: Fragment) -> None:
+        self._call(lambda s: s.write(fragment))
+
+    def close(self, *, ok: bool) -> None:
+        self._call(lambda s: s.close(ok=ok))
+        self._sink = None
+
+
+class _S3Delivery:
+    """Adapter from :class:`worker.delivery.S3ProgressiveSink` to :class:`JobDelivery`."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        tenant: str,
+        job_id: str,
+        spec: JobSpec,
+        committed: Sequence[SegmentRecord],
+        on_commit: Callable[[SegmentFields], None],
+    ) -> None:
+        from worker.delivery import CommittedSegment, S3ProgressiveSink
+        from worker.storage import job_prefix, open_object_store
+
+        self.store = open_object_store(settings.object_store_url, endpoint_url=settings.s3_endpoint_url)
+        self.prefix = job_prefix(tenant, job_id)
+        self.sink = S3ProgressiveSink(
+            self.store,
+            self.prefix,
+            committed=[CommittedSegment(**asdict(s)) for s in committed],
+            on_commit=on_commit,
+            preview=spec.preview.hls,
+            state_every=settings.state_every,
+        )
+        self.sinks: Sequence[FrameSink] = [self.sink]
+        if spec.preview.kvs is not None:
+            from worker.kvs.putmedia import PutMediaClient
+            from worker.kvs_sink import KVSPreviewSink
+
+            client = PutMediaClient(
+                spec.preview.kvs.stream_name,
+                region=spec.preview.kvs.region,
+                endpoint_url=settings.kvs_endpoint_url,
+            )
+            self.sinks = [self.sink, _BestEffortSink(KVSPreviewSink(client), "kvs preview")]
+
+    def outputs(self) -> dict[str, str]:
+        return self.sink.outputs()
+
+    def partial_outputs(self) -> dict[str, str]:
+        out = {"segments": self.store.uri(self.prefix.rstrip("/")) + "/"}
+        if self.sink.preview:
+            out["hls"] = self.store.uri(self.sink.playlist_key)
+        return out
+
+    def load_state(self, key: str) -> bytes:
+        return self.store.get_bytes(key)
+
+    def abandon(self) -> None:
+        self.sink.abandon()
+
+
+def s3_delivery(
+    settings: Settings,
+    *,
+    tenant: str,
+    job_id: str,
+    spec: JobSpec,
+    committed: Sequence[SegmentRecord],
+    on_commit: Callable[[SegmentFields], None],
+) -> JobDelivery:
+    """The production delivery: preview segments + HLS + one final MP4 in ``object_store_url``."""
+    return _S3Delivery(
+        settings, tenant=tenant, job_id=job_id, spec=spec, committed=committed, on_commit=on_commit
+    )
+
+
+def _load(entry: str) -> Any:
+    module, _, name = entry.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class LeaseKeeper(threading.Thread):
+    """Heartbeats the lease and polls the cancel flag while the render runs (daemon thread).
+
+    A DB outage longer than the store's retries is logged and retried on the next tick: the lease
+    stays ours as long as the database comes back before it expires.
+    """
+
+    def __init__(self, store: JobStore, lease: Lease, *, heartbeat_s: float, cancel_poll_s: float) -> None:
+        super().__init__(name=f"lease-{lease.job_id[:8]}", daemon=True)
+        self.store = store
+        self.lease = lease
+        self.heartbeat_s = heartbeat_s
+        self.cancel_poll_s = cancel_poll_s
+        self.progress: Progress | None = None
+        self.lease_lost = False
+        self.cancel = False
+        self._halt = threading.Event()
+        self._wake = threading.Event()
+
+    def report(self, progress: Progress) -> None:
+        """Called per chunk: record it now rather than at the next heartbeat."""
+        self.progress = progress
+        self._wake.set()
+
+    def stop_reason(self) -> str | None:
+        return "lease_lost" if self.lease_lost else "cancel" if self.cancel else None
+
+    def stop(self) -> None:
+        self._halt.set()
+        self._wake.set()
+        self.join(timeout=30)
+
+    def run(self) -> None:
+        with job_context(self.lease.job_id):
+            next_beat = time.monotonic() + self.heartbeat_s
+            next_poll = time.monotonic()
+            while not self._halt.is_set():
+                woken = self._wake.wait(max(0.0, min(next_beat, next_poll) - time.monotonic()))
+                self._wake.clear()
+                if self._halt.is_set():
+                    return
+                now = time.monotonic()
+                try:
+                    if woken or now >= next_beat:
+                        if not self.store.heartbeat(self.lease, progress=self.progress):
+                            log.warning("lease lost (another worker owns the job now)")
+                            self.lease_lost = True
+                            return
+                        next_beat = now + self.heartbeat_s
+                    if now >= next_poll:
+                        if self.store.cancel_requested(self.lease.job_id):
+                            self.cancel = True
+                        next_poll = now + self.cancel_poll_s
+                except Exception:
+                    log.exception("heartbeat/cancel poll failed; retrying on the next tick")
+
+
+class JobWorker:
+    """Runs render attempts in this process (one at a time)."""
+
+    _instances: dict[int, JobWorker] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, settings: Settings, celery: Celery | None = None) -> None:
+        self.settings = settings
+        self.celery = celery
+        self.engine = make_engine(settings.database_url, pool_size=2)
+        self.store = JobStore(
+            self.engine,
+            max_attempts=settings.max_attempts,
+            retry=DbRetry(settings.db_retry_attempts, settings.db_retry_max_wait_s),
+        )
+        self.owner = settings.worker_name or f"{socket.gethostname()}:{os.getpid()}"
+        self.delivery_factory: DeliveryFactory = _load(settings.delivery_factory)
+        self.node = NodeExecutor(
+            ranks=settings.node_ranks,
+            device=settings.resolved_node_device(),
+            threads_per_rank=settings.resolved_node_threads(),
+            preset=settings.node_preset,
+            checkpoint=settings.checkpoint,
+        )
+
+    @classmethod
+    def for_process(cls, settings: Settings, celery: Celery | None = None) -> JobWorker:
+        """One per process (engines must not cross a fork: keyed by pid)."""
+        with cls._lock:
+            inst = cls._instances.get(os.getpid())
+            if inst is None:
+                inst = cls._instances[os.getpid()] = cls(settings, celery)
+                atexit.register(inst.node.close, settings.kill_grace_s)  # ranks also die with the process (PDEATHSIG)
+            return inst
+
+    # ------------------------------------------------------------------------------ one attempt
+    def run(self, job_id: str) -> str:
+        """Claim and render ``job_id``; returns how the attempt ended (for logs and tests)."""
+        metrics.start_metrics_server(self.settings.metrics_port, self.store.count_by_status)
+        with job_context(job_id):
+            lease = self.store.claim(job_id, owner=self.owner, lease_s=self.settings.lease_s)
+            if lease is None:
+                log.info(
+                    "job not claimable (running elsewhere, ended, cancelled or out of attempts); skipping"
+                )
+                metrics.ATTEMPTS.labels("skipped").inc()
+                return "skipped"
+            metrics.BUSY.set(1)
+            try:
+                outcome = self._attempt(lease)
+            except LeaseLostError as exc:
+                log.warning("lease lost: %s", exc)
+                outcome = "lease_lost"
+            except Exception as exc:
+                # a bug or an outage in this worker, not in the render: give the attempt back now
+                # instead of leaving the lease to expire
+                log.exception("attempt %d broke in the worker", lease.attempt)
+                outcome = self._retry_or_fail(
+                    lease,
+                    None,
+                    code="worker_error",
+                    retryable=True,
+                    message=f"worker {self.owner} failed: {type(exc).__name__}: {exc}",
+                )
+            finally:
+                metrics.BUSY.set(0)
+            metrics.ATTEMPTS.labels(outcome).inc()
+            log.info("attempt %d ended: %s", lease.attempt, outcome)
+            return outcome
+
+    def _attempt(self, lease: Lease) -> str:
+        rec = self.store.get(lease.job_id)
+        if rec is None:
+            raise LeaseLostError(f"job {lease.job_id} vanished after it was claimed")
+        metrics.QUEUE_WAIT.observe(max(0.0, (datetime.now(UTC) - rec.queued_at).total_seconds()))
+        log.info("claimed (attempt %d of %d)", lease.attempt, rec.max_attempts)
+        workdir = self.settings.work_dir / lease.job_id / f"attempt-{lease.attempt}"
+        lost = threading.Event()
+
+        def on_commit(seg: SegmentFields) -> None:
+            try:
+                self.store.commit_segment(lease, seg)
+            except LeaseLostError:
+                lost.set()
+                raise
+            metrics.SEGMENTS.inc()
+
+        try:
+            committed = self.store.segments(lease.job_id)
+            delivery = self.delivery_factory(
+                self.settings,
+                tenant=rec.tenant,
+                job_id=rec.id,
+                spec=rec.spec,
+                committed=committed,
+                on_commit=on_commit,
+            )
+            image = self._fetch(rec, rec.spec.image, "image", workdir)
+            audio = self._fetch(rec, rec.spec.audio, "audio", workdir)
+            resume_state = self._resume_state(committed, delivery)
+        except InvalidInputError as exc:
+            self.store.fail(lease.job_id, lease=lease, code=exc.code, message=str(exc))
+            return "failed"
+        except Exception as exc:  # storage outage while preparing: retry the attempt later
+            return self._retry_or_fail(
+                lease,
+                None,
+                code=str(getattr(exc, "code", "prepare_failed")),
+                message=f"preparing the render failed: {exc}",
+                retryable=bool(getattr(exc, "retryable", True)),
+            )
+        if committed:
+            log.info("resuming after committed segment %d", committed[-1].index)
+        try:
+            outcome = self._render(lease, rec, delivery, image, audio, resume_state)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        if lost.is_set() and outcome.status != "succeeded":
+            outcome = RenderOutcome(status="stopped", code="lease_lost", message="lease lost during a commit")
+        return self._end(lease, delivery, outcome)
+
+    def _render(
+        self,
+        lease: Lease,
+        rec: JobRecord,
+        delivery: JobDelivery,
+        image: Path,
+        audio: Path,
+        resume_state: bytes | None,
+    ) -> RenderOutcome:
+        s = self.settings
+        keeper = LeaseKeeper(self.store, lease, heartbeat_s=s.heartbeat_s, cancel_poll_s=s.cancel_poll_s)
+        claimed_at = time.monotonic()
+        first_fragment_at: list[float] = []
+        last_chunk_at = [claimed_at]
+
+        def on_fragment(frag: Fragment) -> None:
+            now = time.monotonic()
+            set_chunk(frag.index)
+            if not first_fragment_at:
+                first_fragment_at.append(now)
+                metrics.TIME_TO_FIRST_FRAME.observe(now - claimed_at)
+            metrics.CHUNK_SECONDS.observe(now - last_chunk_at[0])
+            last_chunk_at[0] = now
+
+        def on_progress(p: dict[str, Any]) -> None:
+            keeper.report(
+                Progress(
+                    chunks_done=int(p.get("emission_index", -1)) + 1,
+                    num_chunks=p.get("num_emissions"),
+                    frames_done=int(p.get("frames_done", 0)),
+                    num_frames=p.get("num_frames"),
+                )
+            )
+
+        job = RenderJob(
+            job_id=rec.id,
+            entry=s.render_entry,
+            image=str(image),
+            audio=str(audio),
+            text=rec.spec.text,
+            seed=rec.spec.seed,
+            preset=rec.spec.preset,
+            checkpoint=str(s.checkpoint) if s.checkpoint else None,
+            resume_state=resume_state,
+            log_level=s.log_level,
+            log_json=s.log_json,
+        )
+        keeper.start()
+        try:
+            outcome = self.node.run(
+                job,
+                delivery.sinks,
+                stop_reason=keeper.stop_reason,
+                on_progress=on_progress,
+                on_fragment=on_fragment,
+                cancel_grace_s=s.cancel_grace_s,
+                timeout_s=s.max_job_s,
+            )
+        finally:
+            keeper.stop()
+        if first_fragment_at:
+            log.info(
+                "first fragment %.2f s after the claim",
+                first_fragment_at[0] - claimed_at,
+                extra={"claim_to_first_fragment_s": round(first_fragment_at[0] - claimed_at, 3)},
+            )
+        if outcome.status == "succeeded" and outcome.result:
+            wall = float(outcome.result.get("wall_s") or (time.monotonic() - claimed_at))
+            frames = float(outcome.result.get("num_frames") or 0)
+            if wall > 0 and frames > 0:
+                metrics.FRAMES_PER_SECOND.observe(frames / wall)
+        return outcome
+
+    def _end(self, lease: Lease, delivery: JobDelivery, outcome: RenderOutcome) -> str:
+        if outcome.status == "succeeded":
+            self.store.finish(lease, outputs=delivery.outputs())
+            return "succeeded"
+        if outcome.status == "stopped":
+            return "lease_lost"
+        if outcome.status == "cancelled":
+            delivery.abandon()
+            self.store.mark_cancelled(lease, partial_outputs=delivery.partial_outputs())
+            return "cancelled"
+        return self._retry_or_fail(
+            lease,
+            delivery,
+            code=outcome.code or "render_failed",
+            message=outcome.message or "render failed",
+            retryable=outcome.retryable,
+        )
+
+    def _retry_or_fail(
+        self, lease: Lease, delivery: JobDelivery | None, *, code: str, message: str, retryable: bool
+    ) -> str:
+        log.error("attempt %d failed: %s: %s (retryable=%s)", lease.attempt, code, message, retryable)
+        if retryable and self.store.requeue(lease, code=code, message=message):
+            self._publish(lease.job_id)
+            return "requeued"
+        if not retryable:
+            self.store.fail(lease.job_id, lease=lease, code=code, message=message)
+        if delivery is not None:
+            delivery.abandon()
+        return "failed"
+
+    def _publish(self, job_id: str) -> None:
+        from worker.celery_app import enqueue_render
+
+        if self.celery is None:
+            log.warning("no Celery app: requeued job %s waits for the next message", job_id)
+            return
+        rec = self.store.get(job_id)
+        enqueue_render(
+            self.celery,
+            job_id,
+            queue=self.settings.queue_name,
+            priority=rec.priority if rec is not None else 5,
+        )
+
+    # ------------------------------------------------------------------------------ inputs
+    def _resume_state(self, committed: Sequence[SegmentRecord], delivery: JobDelivery) -> bytes | None:
+        """The state of the newest committed segment that has one (states are stored every
+        ``state_every`` segments); the render re-makes the segments after it, which the delivery
+        sink recognises by checksum and does not upload again. None: start from the beginning."""
+        with_state = [seg for seg in committed if seg.state_key is not None]
+        if not with_state:
+            return None
+        return delivery.load_state(with_state[-1].state_key)  # type: ignore[arg-type]
+
+    def _fetch(self, rec: JobRecord, uri: str, field: str, workdir: Path) -> Path:
+        """A local path for an input URI (downloads s3:// and upload:// into ``workdir``)."""
+        parts = urlsplit(uri)
+        if parts.scheme == "file":
+            try:
+                path = resolve_file_uri(uri, self.settings.file_root, field=field)
+            except ValueError as exc:
+                raise InvalidInputError(str(exc), field=field) from exc
+            if not path.is_file():
+                raise InvalidInputError(f"{field}: {uri!r} does not exist or is not a file", field=field)
+            return path
+        from worker.storage import ObjectNotFoundError, open_object_store
+
+        if parts.scheme == "s3":
+            store = open_object_store(f"s3://{parts.netloc}", endpoint_url=self.settings.s3_endpoint_url)
+            key = unquote(parts.path).lstrip("/")
+        else:  # upload://<id>, stored by the API under the tenant
+            store = open_object_store(
+                self.settings.object_store_url, endpoint_url=self.settings.s3_endpoint_url
+            )
+            key = f"tenants/{rec.tenant}/uploads/{parts.netloc}"
+        dest = workdir / f"{field}{Path(key).suffix}"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            store.download_to(key, dest)
+        except ObjectNotFoundError as exc:
+            raise InvalidInputError(f"{field}: {uri!r} does not exist; upload it again", field=field) from exc
+        return dest
+
+
+def register_tasks(celery: Celery) -> None:
+    """Register ``longtake.render_job`` on ``celery`` (its conf carries ``longtake_settings``)."""
+    from worker.celery_app import RENDER_TASK_NAME
+
+    @celery.task(
+        name=RENDER_TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True
+    )
+    def render_job(self: Any, job_id: str) -> str:
+        return JobWorker.for_process(celery.conf.longtake_settings, celery).run(job_id)
