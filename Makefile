@@ -19,7 +19,7 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	@mkdir -p $(dir $(DEMO_OUT))
-	$(BIN)/longtake render --image assets/demo/reference.png --audio assets/demo/speech.wav \
+	$(BIN)/longtake render --image models/checkpoints/demo_reference.png --audio assets/demo/speech.wav \
 	    --text "a friendly presenter in a bright studio" --out $(DEMO_OUT)
 	@echo "demo video: $(DEMO_OUT)"
 

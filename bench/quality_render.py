@@ -28,7 +28,7 @@ def render_for_quality(image: Path, audio: Path, seconds: float, use_i_chunks: b
     with AudioSource.open(audio, model_rate=preset.sample_rate) as src:
         n = frames_for_audio(src.num_samples(preset.sample_rate), preset.sample_rate, preset.fps)
     plan = ChunkPlan(n, preset.chunk_frames, preset.context_frames, preset.interp_frames,
-                     use_i_chunks=use_i_chunks)
+                     use_i_chunks=use_i_chunks, reference_frame=preset.reference_frame)
     parts: queue.Queue[np.ndarray | BaseException | None] = queue.Queue(maxsize=2)
 
     def tap(first_frame: int, frames: np.ndarray) -> None:

@@ -131,6 +131,9 @@ class ModelPreset:
     vae: VAEConfig
     audio: AudioConfig
     text: TextConfig | None
+    # N_0 sees the reference's low-res latent as a known frame in front of its window (the A2V DiT's
+    # positions are relative only, so a window with no known frame cannot place the reference)
+    reference_frame: bool = False
     notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -226,6 +229,7 @@ def _tiny() -> ModelPreset:
         ),
         audio=audio,
         text=text,
+        reference_frame=True,  # the shipped checkpoint was trained with reference-anchored N_0 windows
         notes="trained demo preset; 256x256 at 25 fps on 2 CPU cores",
     )
 

@@ -44,6 +44,7 @@ EMISSION_LATENTS = Port("emission_latents", torch.Tensor, C, "low-res latents_BC
 
 # context stage
 REF_LATENT = Port("ref_latent", torch.Tensor, J, "reference hr latent_BCHW (encoded once)")
+REF_LOWRES = Port("ref_lowres", torch.Tensor, J, "reference low-res latent_BC1hw (N_0's known frame)")
 TEXT_TOKENS = Port("text_tokens", torch.Tensor, J, "text tokens_BND", optional=True)
 TEXT_MASK = Port("text_mask", torch.Tensor, J, "text mask_BN", optional=True)
 AUDIO_GAIN = Port("audio_gain", float, J, "loudness normalisation gain for the model's audio input")

@@ -108,7 +108,7 @@ def render(
         try:
             num_frames = frames_for_audio(audio.num_samples(preset.sample_rate), preset.sample_rate, preset.fps)
             plan = ChunkPlan(num_frames, preset.chunk_frames, preset.context_frames, preset.interp_frames,
-                             use_i_chunks=request.use_i_chunks)
+                             use_i_chunks=request.use_i_chunks, reference_frame=preset.reference_frame)
         except PlanError as exc:
             raise InvalidInputError(f"audio {request.audio}: {exc}", field="audio") from exc
         plan_key = plan.key

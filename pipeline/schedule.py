@@ -4,7 +4,8 @@ Terms (DESIGN §3). An N chunk holds ``L`` timeline frames, ``C`` boundary (cont
 interpolation span ``e`` (``0 < e < L``).
 
 * ``N_k`` generates timeline frames ``[kL, (k+1)L)`` (the last one may be short). ``N_0`` sees only
-  the reference; ``N_k`` (k >= 1) also sees the last ``C`` frames of ``N_{k-1}`` as clean context.
+  the reference (with ``reference_frame``, also as a known frame at position -1); ``N_k`` (k >= 1)
+  also sees the last ``C`` frames of ``N_{k-1}`` as clean context.
 * ``I_k`` runs after ``N_k`` and ``N_{k+1}``. Its anchors are ``N_k``'s last frame (``(k+1)L - 1``)
   and ``N_{k+1}``'s frame ``e`` (``(k+1)L + e``); it generates the ``e`` frames between them, which
   replace ``N_{k+1}[0:e]``. Its predictions at the anchor positions are discarded.
@@ -84,6 +85,9 @@ class ChunkPlan:
     context_frames: int  # C
     interp_frames: int  # e
     use_i_chunks: bool = True  # False: the conventional baseline, N chunks only (seams measured against it)
+    # True: N_0 sees the reference's own low-res latent as one known frame at timeline position -1,
+    # so its window is anchored like every later N chunk's (for models trained that way)
+    reference_frame: bool = False
 
     def __post_init__(self) -> None:
         validate_plan_params(self.num_frames, self.chunk_frames, self.context_frames, self.interp_frames)
@@ -116,14 +120,17 @@ class ChunkPlan:
         L, C = self.chunk_frames, self.context_frames
         for k in range(self.num_n_chunks):
             gen = self.n_range(k)
-            ctx = range(max(0, gen.start - C), gen.start) if k > 0 else range(0)
+            if k > 0:
+                ctx = range(max(0, gen.start - C), gen.start)
+            else:
+                ctx = range(-1, 0) if self.reference_frame else range(0)
             emission = None
             if k == 0:
                 emission = Emission(0, gen, gen, range(gen.stop, gen.stop))
             elif self.interp_span(k - 1) == 0:
                 # no I chunk will complete this N chunk: it is final as it stands
                 emission = Emission(k, gen, gen, range(gen.stop, gen.stop))
-            out.append(ChunkStep(ChunkKind.N, k, range(ctx.start if k > 0 else gen.start, gen.stop),
+            out.append(ChunkStep(ChunkKind.N, k, range(ctx.start if len(ctx) else gen.start, gen.stop),
                                  tuple(ctx), gen, emission))
             if k >= 1:
                 i = k - 1
@@ -139,9 +146,10 @@ class ChunkPlan:
         return out
 
     @property
-    def key(self) -> tuple[int, int, int, int, bool]:
+    def key(self) -> tuple[int, int, int, int, bool, bool]:
         """What identifies the plan: a resume snapshot is only valid for the same key."""
-        return (self.num_frames, self.chunk_frames, self.context_frames, self.interp_frames, self.use_i_chunks)
+        return (self.num_frames, self.chunk_frames, self.context_frames, self.interp_frames, self.use_i_chunks,
+                self.reference_frame)
 
     def seams(self) -> list[int]:
         """First frame of every producer's span on the final timeline after frame 0: with I chunks

@@ -31,7 +31,7 @@ class RollingState:
     last_n: torch.Tensor | None = None  # latents_BCThw of the most recent N chunk (low-res)
     prev_last: torch.Tensor | None = None  # latents_BC1hw: last frame of the N chunk before last_n
     decoder_cache: list[torch.Tensor] = field(default_factory=list)
-    plan_key: tuple[int, int, int, int, bool] = (0, 0, 0, 0, True)  # ChunkPlan.key it belongs to
+    plan_key: tuple[int, int, int, int, bool, bool] = (0, 0, 0, 0, True, False)  # ChunkPlan.key
 
     def nbytes(self) -> int:
         tensors = [t for t in (self.last_n, self.prev_last) if t is not None] + list(self.decoder_cache)
@@ -54,7 +54,7 @@ class RollingState:
         return buf.getvalue()
 
     @classmethod
-    def restore(cls, data: bytes, *, plan_key: tuple[int, int, int, int, bool],
+    def restore(cls, data: bytes, *, plan_key: tuple[int, int, int, int, bool, bool],
                 device: torch.device | str = "cpu") -> RollingState:
         try:
             raw = torch.load(io.BytesIO(data), map_location=device, weights_only=True)
@@ -68,7 +68,7 @@ class RollingState:
                 "start the render from the beginning", field="resume_state")
         if tuple(raw["plan_key"]) != tuple(plan_key):
             raise InvalidInputError(
-                f"resume_state belongs to a plan {tuple(raw['plan_key'])} (frames, L, C, e, I chunks) but this "
+                f"resume_state belongs to a plan {tuple(raw['plan_key'])} (frames, L, C, e, I chunks, reference frame) but this "
                 f"render plans {tuple(plan_key)}: the inputs or preset changed; start from the beginning",
                 field="resume_state")
         return cls(

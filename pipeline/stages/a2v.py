@@ -15,13 +15,12 @@ from pipeline.module import Module
 from pipeline.schedule import ChunkKind, ChunkStep
 from pipeline.stage import Phase, Stage, Values
 from pipeline.stages.common import Timings
-from pipeline.state import RollingState
 
 
 class A2VStage(Stage):
     name = "a2v"
     phase = Phase.STEP
-    inputs = (P.STEP, P.ROLLING, P.REF_LATENT, P.TEXT_TOKENS, P.TEXT_MASK, P.AUDIO_FEATS, P.NOISE)
+    inputs = (P.STEP, P.ROLLING, P.REF_LATENT, P.REF_LOWRES, P.TEXT_TOKENS, P.TEXT_MASK, P.AUDIO_FEATS, P.NOISE)
     outputs = (P.A2V_CONTEXT, P.STEP_LATENTS)
 
     def __init__(self, dit: Module, sampler: object, *, timings: Timings) -> None:
@@ -48,7 +47,7 @@ class A2VStage(Stage):
         known = torch.zeros_like(noise)
         if step.known:
             positions = [i for i, is_known in enumerate(step.known_mask()) if is_known]
-            known[:, :, positions] = self._known_latents(step, values.get(P.ROLLING)).to(noise.dtype)
+            known[:, :, positions] = self._known_latents(step, values).to(noise.dtype)
         frame_index_BT = torch.tensor([list(step.window)], dtype=torch.long)
         ref, audio = values.get(P.REF_LATENT), values.get(P.AUDIO_FEATS)
         context = values.get(P.A2V_CONTEXT)
@@ -64,7 +63,10 @@ class A2VStage(Stage):
         values.put(P.STEP_LATENTS, x0[:, :, g0 : g0 + len(step.generate)].contiguous())
 
     @staticmethod
-    def _known_latents(step: ChunkStep, state: RollingState) -> torch.Tensor:
+    def _known_latents(step: ChunkStep, values: Values) -> torch.Tensor:
+        if step.known == (-1,):  # N_0 anchored on the reference itself (ChunkPlan.reference_frame)
+            return values.get(P.REF_LOWRES)
+        state = values.get(P.ROLLING)
         if state.last_n is None:
             raise RuntimeError(f"{step.name} needs the previous N chunk but the rolling state has none")
         if step.kind is ChunkKind.N:

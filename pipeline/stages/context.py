@@ -17,7 +17,7 @@ class ContextStage(Stage):
     name = "context"
     phase = Phase.STEP
     inputs = (P.REFERENCE_RGB, P.AUDIO, P.TEXT, P.SEED, P.STEP)
-    outputs = (P.REF_LATENT, P.TEXT_TOKENS, P.TEXT_MASK, P.AUDIO_GAIN, P.AUDIO_FEATS, P.NOISE)
+    outputs = (P.REF_LATENT, P.REF_LOWRES, P.TEXT_TOKENS, P.TEXT_MASK, P.AUDIO_GAIN, P.AUDIO_FEATS, P.NOISE)
 
     def __init__(self, vae: Module, audio: Module, text: Module | None, *, fps: int, sample_rate: int,
                  latent_channels: int, lr_latent_hw: tuple[int, int], timings: Timings) -> None:
@@ -36,6 +36,7 @@ class ContextStage(Stage):
         with self.timings.model("vae.encode"):
             ref_BCThw = self.vae.get().encode(ref_BCTHW)  # type: ignore[operator]
         values.put(P.REF_LATENT, ref_BCThw[:, :, 0].contiguous())
+        values.put(P.REF_LOWRES, self.vae.get().to_lowres(ref_BCThw).contiguous())  # type: ignore[operator]
         text = values.get_optional(P.TEXT)
         tokens = mask = None
         if text and self.text is not None:

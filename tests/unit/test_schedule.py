@@ -138,3 +138,15 @@ def test_frames_for_audio_rounds_up_and_rejects_empty_audio() -> None:
     assert frames_for_audio(1, 16000, 25) == 1
     with pytest.raises(PlanError, match="no samples"):
         frames_for_audio(0, 16000, 25)
+
+
+def test_reference_frame_anchors_n0_only() -> None:
+    plan = ChunkPlan(40, 16, 4, 4, reference_frame=True)
+    steps = {s.name: s for s in plan.steps}
+    n0 = steps["N0"]
+    assert n0.window == range(-1, 16) and n0.known == (-1,) and n0.generate == range(0, 16)
+    assert n0.known_mask() == [True] + [False] * 16
+    assert steps["N1"].known == (12, 13, 14, 15)  # later chunks unchanged
+    assert plan.key != ChunkPlan(40, 16, 4, 4).key  # a resume state never crosses the two
+    assert [s.emission.frames for s in plan.steps if s.emission] == [
+        s.emission.frames for s in ChunkPlan(40, 16, 4, 4).steps if s.emission]

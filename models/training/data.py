@@ -1,0 +1,168 @@
+"""Training data from the synthetic avatar generator: random frames for the VAE, cached latent clips
+for the A2V DiT and the SR model.
+
+Who calls what:
+* ``train_vae`` draws batches of random frames (or crops) of TRAIN identities from :class:`FrameSampler`
+  each step (frames are cheap to draw: ~4 ms each), and held-out frames for PSNR from
+  :func:`heldout_frames`;
+* ``train_all`` calls :func:`build_latent_cache` once, after the VAE is final: it renders clips with
+  speech, encodes them with the frozen VAE encoder and writes shards under the cache directory
+  (resumable: finished shards are skipped);
+* ``train_a2v`` / ``train_sr`` load every shard with :class:`LatentClips` (a few tens of MB) and slice
+  windows from it. Pixels are never kept after encoding.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from models.avatars.dataset import IDENTITY_SPLITS, AvatarRenderer, render_clip
+from models.avatars.speech import SpeechSynth
+from models.vae import CausalVAE
+
+log = logging.getLogger(__name__)
+
+
+def to_unit(rgb_uint8: np.ndarray) -> torch.Tensor:
+    """``(..., H, W, 3)`` uint8 -> float in [-1, 1] with channels moved before H, W."""
+    t = torch.from_numpy(np.array(rgb_uint8, copy=True)).float().div(127.5).sub(1.0)
+    return t.movedim(-1, -3)
+
+
+class FrameSampler:
+    """Random single frames of random identities of a split (pose, blink, mouth opening and width drawn
+    at random), as ``(B, 3, 1, S, S)`` in [-1, 1]. Keeps a small LRU of per-identity renderers."""
+
+    def __init__(self, split: str = "train", size: int = 256, pool: int = 64) -> None:
+        if split not in IDENTITY_SPLITS:
+            raise ValueError(f"split={split!r}: must be one of {sorted(IDENTITY_SPLITS)}")
+        self.split, self.size, self.pool = split, size, pool
+        self._renderers: OrderedDict[int, AvatarRenderer] = OrderedDict()
+
+    def _renderer(self, ident: int) -> AvatarRenderer:
+        r = self._renderers.get(ident)
+        if r is None:
+            r = AvatarRenderer(ident, size=self.size)
+            self._renderers[ident] = r
+            if len(self._renderers) > self.pool:
+                self._renderers.popitem(last=False)
+        return r
+
+    def batch(self, gen: torch.Generator, batch: int, crop: int | None = None) -> torch.Tensor:
+        return self.batch_with_reference(gen, batch, crop)[0]
+
+    def batch_with_reference(self, gen: torch.Generator, batch: int, crop: int | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(frames, the identities' neutral reference frames), both ``(B, 3, 1, S, S)``."""
+        lo, hi = IDENTITY_SPLITS[self.split]
+        out, refs = [], []
+        for _ in range(batch):
+            u = torch.rand(5, generator=gen).tolist()
+            ident = lo + int(torch.randint(hi - lo, (1,), generator=gen))
+            r = self._renderer(ident)
+            frame_idx = int(torch.randint(100_000, (1,), generator=gen))
+            # mouths are open in about 2/3 of speech frames: draw half the frames wide open-ish
+            mouth_open = u[0] if u[1] < 0.7 else 0.0
+            img, _ = r.frame(frame_idx, mouth_open, u[2])
+            if u[3] < 0.1:  # the neutral reference frame itself (what the pipeline encodes)
+                img = r.reference()
+            x = to_unit(img)
+            refs.append(to_unit(r.reference()))
+            if crop is not None and crop < self.size:
+                y0, x0 = (int(v) for v in torch.randint(0, (self.size - crop) // 8 + 1, (2,), generator=gen) * 8)
+                x = x[:, y0 : y0 + crop, x0 : x0 + crop]
+            out.append(x)
+        return torch.stack(out)[:, :, None], torch.stack(refs)[:, :, None]
+
+
+def heldout_frames(count: int, size: int = 256, seed: int = 12345) -> torch.Tensor:
+    """A fixed set of held-out-identity frames ``(count, 3, 1, size, size)`` for PSNR."""
+    return FrameSampler("heldout", size).batch(torch.Generator().manual_seed(seed), count)
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    """PSNR in dB of two tensors in [-1, 1] (peak-to-peak 2)."""
+    mse = float(((a.clamp(-1, 1) - b.clamp(-1, 1)) ** 2).mean())
+    return float(10 * np.log10(4.0 / max(mse, 1e-12)))
+
+
+# ------------------------------------------------------------------------------------------ latents
+
+def build_latent_cache(vae: CausalVAE, out_dir: Path, num_clips: int, clip_frames: int, *, split: str = "train",
+                       seed: int = 0, shard_clips: int = 16, audio_context: int = 2,
+                       num_identities: int | None = None, size: int = 256, worker: int = 0,
+                       num_workers: int = 1) -> list[Path]:
+    """Render ``num_clips`` speech clips of ``clip_frames`` frames, encode them, write shards.
+
+    Each shard ``shard_XXXX.pt`` holds ``hr`` (n, T, C, 32, 32) float16 hr latents, ``ref`` (n, C, 32, 32)
+    float16 (the identity's neutral reference frame), ``audio`` (n, (T + 2*audio_context) * 640) float32
+    (the audio of the clip with ``audio_context`` frames on each side, as the audio encoder wants it),
+    ``mouth`` (n, T) float32 and ``identity`` (n,) int64. Existing shards are kept (resume).
+    ``worker`` / ``num_workers``: this process builds shards ``s % num_workers == worker`` only (run
+    several processes to build in parallel; the set of shards does not depend on the split).
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    synth = SpeechSynth()
+    lo, hi = IDENTITY_SPLITS[split]
+    span = hi - lo if num_identities is None else min(num_identities, hi - lo)
+    paths = []
+    n_shards = -(-num_clips // shard_clips)
+    t0 = time.monotonic()
+    for s in range(n_shards):
+        path = out_dir / f"shard_{s:04d}.pt"
+        paths.append(path)
+        if path.is_file() or s % num_workers != worker:
+            continue
+        hr, ref, audio, mouth, ident = [], [], [], [], []
+        for j in range(s * shard_clips, min(num_clips, (s + 1) * shard_clips)):
+            rng = np.random.default_rng([seed, j, 17])
+            identity = lo + int(rng.integers(span))
+            clip = render_clip(identity, int(rng.integers(2**31)), clip_frames + 2 * audio_context, split,
+                               size=size, synth=synth)
+            frames = to_unit(clip.frames[audio_context : audio_context + clip_frames])  # (T, 3, H, W)
+            with torch.no_grad():
+                z = vae.encode(frames.transpose(0, 1)[None])[0].transpose(0, 1)  # (T, C, h, w)
+                zr = vae.encode(to_unit(clip.reference)[None, :, None])[0, :, 0]
+            hr.append(z.half())
+            ref.append(zr.half())
+            audio.append(torch.from_numpy(clip.audio))
+            mouth.append(torch.from_numpy(clip.mouth_open[audio_context : audio_context + clip_frames]))
+            ident.append(identity)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save({"hr": torch.stack(hr), "ref": torch.stack(ref), "audio": torch.stack(audio),
+                    "mouth": torch.stack(mouth), "identity": torch.tensor(ident)}, tmp)
+        tmp.replace(path)
+        log.info("latent cache: shard %d/%d written (%.0f s)", s + 1, n_shards, time.monotonic() - t0)
+    return paths
+
+
+class LatentClips:
+    """Every cached shard in memory: ``hr`` (N, T, C, H, W) float32, ``ref`` (N, C, H, W), ``audio``
+    (N, S), ``mouth`` (N, T). Windows are sliced by the trainers."""
+
+    def __init__(self, cache_dir: Path) -> None:
+        paths = sorted(cache_dir.glob("shard_*.pt"))
+        if not paths:
+            raise FileNotFoundError(f"no latent shards in {cache_dir}: run models.training.train_all (or "
+                                    "data.build_latent_cache) first")
+        blobs = [torch.load(p, map_location="cpu") for p in paths]
+        self.hr = torch.cat([b["hr"] for b in blobs]).float()
+        self.ref = torch.cat([b["ref"] for b in blobs]).float()
+        self.audio = torch.cat([b["audio"] for b in blobs]).float()
+        self.mouth = torch.cat([b["mouth"] for b in blobs]).float()
+        self.identity = torch.cat([b["identity"] for b in blobs])
+        log.info("latent clips: %d clips x %d frames from %d shards", self.hr.shape[0], self.hr.shape[1], len(paths))
+
+    @property
+    def num_clips(self) -> int:
+        return int(self.hr.shape[0])
+
+    @property
+    def clip_frames(self) -> int:
+        return int(self.hr.shape[1])

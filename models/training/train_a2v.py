@@ -1,0 +1,212 @@
+"""Train the A2V DiT and the audio encoder jointly with flow matching on cached latent clips.
+
+Who calls it: ``train_all`` (after the latent cache exists) or ``python -m models.training.train_a2v``.
+
+One model, every window the pipeline runs (pipeline/schedule.py): per step one kind is drawn:
+* ``N``  — C + L frames, the first C known (context from the previous N chunk);
+* ``N0`` — L frames, none known (the first chunk of a render sees only the reference);
+* ``I``  — e + 2 frames, the first and the last known (anchors).
+Frame indices start at a random absolute offset (RoPE sees only relative offsets, but this also covers
+any absolute-position leak). Known frames are corrupted (Gaussian noise and a small per-channel
+offset) while the target stays clean: at inference the context is the model's own output, and the
+model learns to pull it back towards the reference instead of copying its errors (the drift fix of
+issue 6). Loss: |v - (noise - x0)|^2 on unknown frames only. An EMA of the weights is what ships.
+The text encoder stays at its seeded init (frozen); with probability ``text_prob`` a prompt is passed
+so the DiT learns that a prompt does not change the face.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.audio import AudioEncoder
+from models.checkpoint import build_modules
+from models.dit import A2VDiT
+from models.presets import ModelPreset, get_preset
+from models.training.common import (
+    DEFAULT_CACHE,
+    Budget,
+    LossLog,
+    cosine_lr,
+    load_state,
+    save_state,
+    setup_logging,
+    step_generator,
+)
+from models.training.data import LatentClips
+
+log = logging.getLogger(__name__)
+
+PROMPTS = ["", "a person talking", "a friendly presenter speaking to the camera", "news anchor, studio",
+           "someone explaining a recipe", "ein Mensch spricht", "une personne parle calmement", "smiling"]
+
+
+def lowres(hr_NTCHW: torch.Tensor, factor: int) -> torch.Tensor:
+    n, t, c, h, w = hr_NTCHW.shape
+    return F.avg_pool2d(hr_NTCHW.reshape(n * t, c, h, w), factor).reshape(n, t, c, h // factor, w // factor)
+
+
+class A2VBatcher:
+    """Draws training windows from :class:`LatentClips` (all randomness from the step's generator)."""
+
+    def __init__(self, clips: LatentClips, preset: ModelPreset, *, context_noise: float = 0.2,
+                 context_offset: float = 0.05) -> None:
+        self.clips, self.preset = clips, preset
+        self.lr = lowres(clips.hr, preset.lowres_factor)  # (N, T, C, h, w)
+        self.spf = preset.samples_per_frame
+        self.pad = preset.audio.context_frames
+        self.context_noise, self.context_offset = context_noise, context_offset
+        L, C, e = preset.chunk_frames, preset.context_frames, preset.interp_frames
+        if clips.clip_frames < C + L:
+            raise ValueError(f"cached clips have {clips.clip_frames} frames; the N window needs C+L={C + L}: "
+                             "rebuild the cache with longer clips")
+        self.kinds = {"N": (C + L, list(range(C))), "N0": (L, []), "I": (e + 2, [0, e + 1]),
+                      "R": (1 + L, [0])}
+        self.ref_lr = lowres(clips.ref[:, None], preset.lowres_factor)[:, 0]  # (N, C, h, w)
+
+    def draw_kind(self, gen: torch.Generator,
+                  probs: tuple[tuple[str, float], ...] = (("N", 0.5), ("I", 0.3), ("R", 0.15), ("N0", 0.05))) -> str:
+        u = float(torch.rand(1, generator=gen))
+        for kind, pr in probs:
+            if u < pr:
+                return kind
+            u -= pr
+        return probs[-1][0]
+
+    def batch(self, gen: torch.Generator, kind: str, size: int) -> dict[str, torch.Tensor]:
+        T, known_pos = self.kinds[kind]
+        n_clips, t_clip = self.clips.num_clips, self.clips.clip_frames
+        # an R window takes L clip frames and puts the reference in front; the audio of that slot is
+        # the audio before the clip's first frame (any audio: the frame is known)
+        idx = torch.randint(n_clips, (size,), generator=gen)
+        start = torch.randint(t_clip - T + 1, (size,), generator=gen)
+        x0 = torch.stack([self.lr[i, s : s + T] for i, s in zip(idx.tolist(), start.tolist(), strict=True)])
+        x0 = x0.transpose(1, 2).contiguous()  # (B, C, T, h, w)
+        waves = torch.stack([self.clips.audio[i, s * self.spf : (s + T + 2 * self.pad) * self.spf]
+                             for i, s in zip(idx.tolist(), start.tolist(), strict=True)])
+        known = torch.zeros(size, T, dtype=torch.bool)
+        known[:, known_pos] = True
+        offset = torch.randint(0, 20_000, (size, 1), generator=gen)
+        frame_index = offset + torch.arange(T)[None]
+        # corrupted context: noise of random strength + a per-channel offset (colour drift stand-in)
+        sig = torch.rand(size, 1, 1, 1, 1, generator=gen) * self.context_noise
+        bias = torch.randn(size, x0.shape[1], 1, 1, 1, generator=gen) * self.context_offset
+        bias = bias * (torch.rand(size, 1, 1, 1, 1, generator=gen) < 0.5)
+        if kind == "R":  # the first chunk with the reference's low-res latent as its one context frame
+            x0[:, :, 0] = self.ref_lr[idx]
+        ctx = x0 + sig * torch.randn(x0.shape, generator=gen) + bias
+        return {"x0": x0, "ctx": ctx, "wave": waves, "known": known, "frame_index": frame_index,
+                "ref": self.clips.ref[idx], "mouth": self.clips.mouth[idx]}
+
+
+def flow_loss(dit: A2VDiT, audio: AudioEncoder, b: dict[str, torch.Tensor], gen: torch.Generator, shift: float,
+              text: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    x0, known = b["x0"], b["known"]
+    B, C, T = x0.shape[:3]
+    u = torch.rand(B, generator=gen)
+    t = shift * u / (1 + (shift - 1) * u)  # the sampler's shifted schedule
+    noise = torch.randn(x0.shape, generator=gen)
+    tt = t[:, None, None, None, None]
+    keep = known[:, None, :, None, None]
+    x_t = torch.where(keep, b["ctx"], (1 - tt) * x0 + tt * noise)
+    feats = audio(b["wave"], T)
+    text_B = (text[0].expand(B, -1, -1), text[1].expand(B, -1)) if text is not None else (None, None)
+    v = dit(x_t, t, known, b["frame_index"], b["ref"], feats, text_B[0], text_B[1])
+    err = (v - (noise - x0)).pow(2).mean(dim=(1, 3, 4))  # (B, T)
+    unknown = (~known).float()
+    return (err * unknown).sum() / unknown.sum()
+
+
+class EMA:
+    def __init__(self, modules: dict[str, nn.Module]) -> None:
+        self.shadow = {k: copy.deepcopy(m).eval().requires_grad_(False) for k, m in modules.items()}
+
+    @torch.no_grad()
+    def update(self, modules: dict[str, nn.Module], decay: float) -> None:
+        for k, m in modules.items():
+            for ps, p in zip(self.shadow[k].parameters(), m.parameters(), strict=True):
+                ps.lerp_(p, 1 - decay)
+
+
+def train_a2v(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes: float, seed: int = 0,
+              batch_n: int = 6, batch_i: int = 16, lr: float = 1e-3, text_prob: float = 0.25,
+              ema_max: float = 0.998, log_every: int = 20, save_every_s: float = 120.0,
+              threads: int | None = None) -> dict[str, float]:
+    """Train (or resume) for ``minutes`` of wall time in total; the state file holds model + EMA weights."""
+    if threads:
+        torch.set_num_threads(threads)
+    base = build_modules(preset, seed)
+    dit, audio = base["a2v"], base["audio"]
+    assert isinstance(dit, A2VDiT) and isinstance(audio, AudioEncoder)
+    with torch.no_grad():  # start from a zero velocity head: stable first steps
+        dit.head.weight.zero_()
+        dit.head.bias.zero_()
+    text_enc = base.get("text")
+    prompts = None
+    if text_enc is not None:
+        with torch.no_grad():
+            prompts = [text_enc([p]) for p in PROMPTS]
+    train_mods: dict[str, nn.Module] = {"a2v": dit, "audio": audio}
+    ema = EMA(train_mods)
+    opt = torch.optim.AdamW([p for m in train_mods.values() for p in m.parameters()], lr=lr, weight_decay=0.01,
+                            betas=(0.9, 0.99))
+    st = load_state(state_path, {**train_mods, "ema_a2v": ema.shadow["a2v"], "ema_audio": ema.shadow["audio"]}, opt)
+    clips = LatentClips(cache_dir)
+    batcher = A2VBatcher(clips, preset)
+    budget = Budget(minutes, st.elapsed_s)
+    losses = LossLog(state_path.with_suffix(".jsonl"), "a2v")
+    last_save = budget.elapsed_s
+    while not budget.done():
+        gen = step_generator(seed, st.step, 1)
+        kind = batcher.draw_kind(gen)
+        b = batcher.batch(gen, kind, batch_i if kind == "I" else batch_n)
+        text = None
+        if prompts is not None and float(torch.rand(1, generator=gen)) < text_prob:
+            text = prompts[int(torch.randint(len(prompts), (1,), generator=gen))]
+        for g in opt.param_groups:
+            g["lr"] = cosine_lr(lr, budget.fraction)
+        loss = flow_loss(dit, audio, b, gen, preset.shift, text)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(opt.param_groups[0]["params"], 1.0)
+        opt.step()
+        st.step += 1
+        ema.update(train_mods, min(ema_max, (1 + st.step) / (10 + st.step)))
+        losses.add(loss=loss.item(), **{f"loss_{kind}": loss.item()})
+        if st.step % log_every == 0:
+            st.losses.append(losses.flush(st.step, budget.elapsed_s)["loss"])
+        if budget.elapsed_s - last_save > save_every_s:
+            st.elapsed_s = budget.elapsed_s
+            save_state(state_path, {**train_mods, "ema_a2v": ema.shadow["a2v"], "ema_audio": ema.shadow["audio"]},
+                       opt, st)
+            last_save = budget.elapsed_s
+    st.elapsed_s = budget.elapsed_s
+    save_state(state_path, {**train_mods, "ema_a2v": ema.shadow["a2v"], "ema_audio": ema.shadow["audio"]}, opt, st)
+    return {"steps": st.step, "elapsed_s": st.elapsed_s, "final_loss": st.losses[-1] if st.losses else float("nan")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
+    p.add_argument("--minutes", type=float, default=35.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args(argv)
+    setup_logging(a.cache_dir / "train.log")
+    out = train_a2v(get_preset(a.preset), a.cache_dir / "latents", a.cache_dir / "a2v_state.pt",
+                    minutes=a.minutes, seed=a.seed, lr=a.lr, threads=a.threads)
+    log.info("a2v done: %s", out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,177 @@
+"""Train the whole ``tiny`` family within a wall-clock budget and write the shipped checkpoint.
+
+``python -m models.training.train_all --minutes-budget 75`` runs, each stage resumable (rerun the
+same command after an interruption; finished stages are skipped because their budget is spent):
+
+1. VAE on random frames of train identities (``train_vae``), then the latent channels are rescaled to
+   unit variance (``finalize_vae``) and frozen;
+2. latent cache: speech clips of train identities encoded once (``data.build_latent_cache``);
+3. A2V DiT + audio encoder with flow matching (``train_a2v``);
+4. SR (``train_sr``);
+5. the VAE decoder alone, encoder frozen (``train_decoder``; it does not change the latents, so it
+   may also run in parallel with 3-4, see docs/training.md);
+6. the decoder again, on the frozen SR model's outputs (``chain_decoder``: what the pipeline decodes);
+7. ``assemble_checkpoint``: EMA weights of every trained module, the text encoder at its seeded
+   init, into ``models/checkpoints/<preset>.safetensors`` with metadata (steps, losses, seed, commit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from models.checkpoint import build_modules, save_checkpoint
+from models.presets import ModelPreset, get_preset
+from models.training.common import DEFAULT_CACHE, REPO_ROOT, TrainState, git_commit, setup_logging
+from models.training.data import build_latent_cache
+from models.training.train_a2v import train_a2v
+from models.training.train_sr import train_sr
+from models.training.train_vae import finalize_vae, train_decoder, train_vae
+from models.vae import CausalVAE
+
+log = logging.getLogger(__name__)
+
+# share of the budget per stage (the cache build is not budgeted: its size is fixed by the clip count)
+SHARES = {"vae": 0.2, "a2v": 0.45, "sr": 0.15, "decoder": 0.1, "chain": 0.1}
+
+
+def final_vae(preset: ModelPreset, cache_dir: Path) -> CausalVAE:
+    """The trained, rescaled VAE (computed once from the VAE state, then read from ``vae_final.pt``)."""
+    path = cache_dir / "vae_final.pt"
+    vae = CausalVAE(preset.vae)
+    if path.is_file():
+        vae.load_state_dict(torch.load(path, map_location="cpu"))
+    else:
+        blob = torch.load(cache_dir / "vae_state.pt", map_location="cpu", weights_only=False)
+        vae.load_state_dict(blob["modules"]["vae"])
+        scales = finalize_vae(vae, preset)
+        log.info("vae latent channel scales folded in: %s", [round(float(s), 4) for s in scales])
+        torch.save(vae.state_dict(), path)
+    return vae.eval().requires_grad_(False)
+
+
+def chain_decoder(preset: ModelPreset, cache_dir: Path, minutes: float, seed: int) -> dict[str, float]:
+    """Last VAE stage: the decoder (from the decoder-only stage if it ran) fine-tuned on the frozen
+    EMA SR model's outputs, i.e. on exactly what the pipeline decodes."""
+    state = cache_dir / "vae_chain_state.pt"
+    vae = final_vae(preset, cache_dir)
+    dec_state = cache_dir / "vae_decoder_state.pt"
+    if not state.is_file() and dec_state.is_file():
+        vae.load_state_dict(torch.load(dec_state, map_location="cpu", weights_only=False)["modules"]["vae"])
+    sr = build_modules(preset, seed)["sr"]
+    sr.load_state_dict(torch.load(cache_dir / "sr_state.pt", map_location="cpu", weights_only=False)["modules"]["ema_sr"])
+    sr.eval().requires_grad_(False)
+    return train_decoder(preset, vae, state, minutes=minutes, seed=seed, sr=sr)
+
+
+def _state(path: Path) -> TrainState:
+    blob = torch.load(path, map_location="cpu", weights_only=False)
+    return TrainState(**blob["state"])
+
+
+def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: int,
+                        extra_meta: dict[str, str] | None = None) -> dict[str, str]:
+    """Collect the trained weights (EMA where kept) into one safetensors checkpoint; returns metadata."""
+    mods = build_modules(preset, seed)
+    dec_state = cache_dir / "vae_decoder_state.pt"
+    chain_state = cache_dir / "vae_chain_state.pt"
+    if chain_state.is_file():  # decoder fine-tuned on SR outputs (same encoder weights)
+        vae_sd = torch.load(chain_state, map_location="cpu", weights_only=False)["modules"]["vae"]
+    elif dec_state.is_file():  # decoder fine-tuned after the encoder froze (same encoder weights)
+        vae_sd = torch.load(dec_state, map_location="cpu", weights_only=False)["modules"]["vae"]
+    else:
+        vae_sd = final_vae(preset, cache_dir).state_dict()
+    mods["vae"].load_state_dict(vae_sd)
+    a2v = torch.load(cache_dir / "a2v_state.pt", map_location="cpu", weights_only=False)
+    mods["a2v"].load_state_dict(a2v["modules"]["ema_a2v"])
+    mods["audio"].load_state_dict(a2v["modules"]["ema_audio"])
+    sr = torch.load(cache_dir / "sr_state.pt", map_location="cpu", weights_only=False)
+    mods["sr"].load_state_dict(sr["modules"]["ema_sr"])
+    st_v, st_a, st_s = (_state(cache_dir / f"{k}_state.pt") for k in ("vae", "a2v", "sr"))
+    meta = {
+        "preset": preset.name,
+        "seed": str(seed),
+        "git_commit": git_commit(),
+        "trained_on": "synthetic avatars (models.avatars), train identities [0, 1e6), train voices",
+        "vae_steps": str(st_v.step), "vae_minutes": f"{st_v.elapsed_s / 60:.1f}",
+        "vae_heldout_psnr_db": f"{st_v.extra.get('heldout_psnr_db', float('nan')):.2f}",
+        **({"vae_decoder_steps": str(_state(dec_state).step),
+            "vae_decoder_minutes": f"{_state(dec_state).elapsed_s / 60:.1f}",
+            "vae_decoder_heldout_psnr_db": f"{_state(dec_state).extra.get('heldout_psnr_db', float('nan')):.2f}"}
+           if dec_state.is_file() else {}),
+        **({"vae_chain_steps": str(_state(chain_state).step),
+            "vae_chain_minutes": f"{_state(chain_state).elapsed_s / 60:.1f}",
+            "chain_heldout_psnr_db_start": f"{_state(chain_state).extra.get('start_psnr_db', float('nan')):.2f}",
+            "chain_heldout_psnr_db": f"{_state(chain_state).extra.get('heldout_psnr_db', float('nan')):.2f}"}
+           if chain_state.is_file() else {}),
+        "a2v_steps": str(st_a.step), "a2v_minutes": f"{st_a.elapsed_s / 60:.1f}",
+        "a2v_final_loss": f"{st_a.losses[-1]:.4f}" if st_a.losses else "nan",
+        "sr_steps": str(st_s.step), "sr_minutes": f"{st_s.elapsed_s / 60:.1f}",
+        "sr_eval_l1": f"{st_s.extra.get('eval_l1', float('nan')):.4f}",
+        **(extra_meta or {}),
+    }
+    save_checkpoint(mods, out, metadata=meta)
+    log.info("checkpoint written: %s (%.1f MB) %s", out, out.stat().st_size / 1e6, json.dumps(meta))
+    return meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--stage", choices=["all", "cache", "decoder", "chain", "assemble"], default="all",
+                   help="run one stage only (cache: --worker/--num-workers build shards in parallel)")
+    p.add_argument("--stage-minutes", type=float, default=None, help="with --stage decoder: its own budget")
+    p.add_argument("--worker", type=int, default=0)
+    p.add_argument("--num-workers", type=int, default=1)
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--minutes-budget", type=float, default=75.0, help="training wall time (cache build excluded)")
+    p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
+    p.add_argument("--out", type=Path, default=None, help="default models/checkpoints/<preset>.safetensors")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--clips", type=int, default=160, help="speech clips in the latent cache")
+    p.add_argument("--clip-frames", type=int, default=36)
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args(argv)
+    preset = get_preset(a.preset)
+    setup_logging(a.cache_dir / "train.log")
+    torch.set_num_threads(a.threads)
+    t0 = time.monotonic()
+    out = a.out or REPO_ROOT / "models" / "checkpoints" / f"{preset.name}.safetensors"
+    extra = {"latent_clips": str(a.clips), "clip_frames": str(a.clip_frames)}
+    if a.stage == "cache":
+        build_latent_cache(final_vae(preset, a.cache_dir), a.cache_dir / "latents", a.clips, a.clip_frames,
+                           seed=a.seed, size=preset.height, worker=a.worker, num_workers=a.num_workers)
+        return 0
+    if a.stage == "decoder":
+        train_decoder(preset, final_vae(preset, a.cache_dir), a.cache_dir / "vae_decoder_state.pt",
+                      minutes=a.stage_minutes or a.minutes_budget * SHARES["decoder"], seed=a.seed)
+        return 0
+    if a.stage == "chain":
+        chain_decoder(preset, a.cache_dir, a.stage_minutes or a.minutes_budget * SHARES["chain"], a.seed)
+        return 0
+    if a.stage == "assemble":
+        assemble_checkpoint(preset, a.cache_dir, out, a.seed, extra)
+        return 0
+    train_vae(preset, a.cache_dir / "vae_state.pt", minutes=a.minutes_budget * SHARES["vae"], seed=a.seed)
+    vae = final_vae(preset, a.cache_dir)
+    build_latent_cache(vae, a.cache_dir / "latents", a.clips, a.clip_frames, seed=a.seed, size=preset.height)
+    t_cache = time.monotonic()
+    train_a2v(preset, a.cache_dir / "latents", a.cache_dir / "a2v_state.pt",
+              minutes=a.minutes_budget * SHARES["a2v"], seed=a.seed)
+    train_sr(preset, a.cache_dir / "latents", a.cache_dir / "sr_state.pt",
+             minutes=a.minutes_budget * SHARES["sr"], seed=a.seed)
+    train_decoder(preset, final_vae(preset, a.cache_dir), a.cache_dir / "vae_decoder_state.pt",
+                  minutes=a.minutes_budget * SHARES["decoder"], seed=a.seed)
+    chain_decoder(preset, a.cache_dir, a.minutes_budget * SHARES["chain"], a.seed)
+    assemble_checkpoint(preset, a.cache_dir, out, a.seed, extra)
+    log.info("train_all finished in %.1f min (this invocation; cache build ended at %.1f min)",
+             (time.monotonic() - t0) / 60, (t_cache - t0) / 60)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,239 @@
+"""Train the causal VAE of a preset on random frames of TRAIN identities; report PSNR on held-out ones.
+
+Who calls it: ``train_all`` (first stage) or ``python -m models.training.train_vae``. It writes a
+resumable state file; :func:`finalize_vae` then rescales the latent channels to unit variance (folded
+exactly into the encoder's output conv and the decoder's input conv) so flow-matching noise N(0, 1)
+matches the latents' scale.
+
+Why single frames: the decoder's causal temporal convs start with zero weights on past frames (so
+the decoder is per-frame at init) and, trained on one-frame clips, they stay zero: the decoder is
+exactly per-frame, which streams trivially and cannot smear errors across chunk boundaries.
+Why crops: the network is fully convolutional; 128x128 crops cost a quarter of a full frame. The last
+part of the budget trains on full frames so group-norm statistics match inference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.presets import ModelPreset, get_preset
+from models.training.common import (
+    DEFAULT_CACHE,
+    Budget,
+    LossLog,
+    cosine_lr,
+    load_state,
+    save_state,
+    setup_logging,
+    step_generator,
+)
+from models.training.data import FrameSampler, heldout_frames, psnr
+from models.vae import CausalConv3d, CausalVAE
+
+log = logging.getLogger(__name__)
+
+
+def zero_past_taps(vae: CausalVAE) -> None:
+    """Zero the weights every causal temporal conv puts on past frames (the current frame's tap is the
+    last ``cin`` input channels of the stacked conv)."""
+    with torch.no_grad():
+        for m in vae.modules():
+            if isinstance(m, CausalConv3d):
+                m.conv.weight[:, : m.cin * (m.kt - 1)] = 0.0
+
+
+def edge_loss(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """L1 between horizontal and vertical finite differences: keeps the flat-colour edges sharp."""
+    dy = (y[..., 1:, :] - y[..., :-1, :]) - (x[..., 1:, :] - x[..., :-1, :])
+    dx = (y[..., :, 1:] - y[..., :, :-1]) - (x[..., :, 1:] - x[..., :, :-1])
+    return dy.abs().mean() + dx.abs().mean()
+
+
+def vae_loss(vae: CausalVAE, x: torch.Tensor, gen: torch.Generator, kl_weight: float
+             ) -> tuple[torch.Tensor, dict[str, float]]:
+    mean, logvar = vae.encode_moments(x)
+    z = mean + torch.exp(0.5 * logvar) * torch.randn(mean.shape, generator=gen)
+    y, _ = vae.decode(z, clamp=False)
+    l1 = (y - x).abs().mean()
+    mse = F.mse_loss(y, x)
+    edge = edge_loss(y, x)
+    kl = 0.5 * (mean.pow(2) + logvar.exp() - 1.0 - logvar).mean()
+    loss = l1 + 2.0 * mse + 0.5 * edge + kl_weight * kl
+    parts = {"loss": loss.item(), "l1": l1.item(), "mse": mse.item(), "edge": edge.item(), "kl": kl.item()}
+    return loss, parts
+
+
+@torch.no_grad()
+def heldout_psnr(vae: CausalVAE, frames: torch.Tensor, sr: nn.Module | None = None, batch: int = 4) -> float:
+    """PSNR of encode -> decode (or, with ``sr``, encode -> to_lowres -> SR -> decode, the reference
+    being the frame itself) on held-out frames."""
+    outs = []
+    for i in range(0, frames.shape[0], batch):
+        z = vae.encode(frames[i : i + batch])
+        if sr is not None:
+            z = sr(vae.to_lowres(z), z[:, :, 0])
+        y, _ = vae.decode(z)
+        outs.append(y)
+    return psnr(torch.cat(outs), frames)
+
+
+def train_vae(preset: ModelPreset, state_path: Path, *, minutes: float, seed: int = 0, batch: int = 4,
+              crop: int = 128, full_fraction: float = 0.15, full_batch: int = 2, lr: float = 2e-3,
+              kl_weight: float = 1e-5, log_every: int = 20, save_every_s: float = 120.0,
+              eval_frames: int = 16, threads: int | None = None) -> dict[str, float]:
+    """Train (or resume) until ``minutes`` of wall time in total; returns final figures."""
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    vae = CausalVAE(preset.vae)
+    zero_past_taps(vae)
+    opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
+    st = load_state(state_path, {"vae": vae}, opt)
+    budget = Budget(minutes, st.elapsed_s)
+    sampler = FrameSampler("train", preset.height)
+    losses = LossLog(state_path.with_suffix(".jsonl"), "vae")
+    last_save = budget.elapsed_s
+    vae.train()
+    while not budget.done():
+        gen = step_generator(seed, st.step)
+        full = budget.fraction > 1.0 - full_fraction
+        x = sampler.batch(gen, full_batch if full else batch, None if full else crop)
+        for g in opt.param_groups:
+            g["lr"] = cosine_lr(lr, budget.fraction)
+        loss, parts = vae_loss(vae, x, gen, kl_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        opt.step()
+        with torch.no_grad():
+            zero_past_taps(vae)  # AdamW moves nothing here (zero grads), kept as a guarantee
+        st.step += 1
+        losses.add(**parts)
+        if st.step % log_every == 0:
+            st.losses.append(losses.flush(st.step, budget.elapsed_s)["loss"])
+        if budget.elapsed_s - last_save > save_every_s:
+            st.elapsed_s = budget.elapsed_s
+            save_state(state_path, {"vae": vae}, opt, st)
+            last_save = budget.elapsed_s
+    vae.eval()
+    st.elapsed_s = budget.elapsed_s
+    if eval_frames:
+        st.extra["heldout_psnr_db"] = heldout_psnr(vae, heldout_frames(eval_frames, preset.height))
+        log.info("vae: held-out PSNR %.2f dB after %d steps", st.extra["heldout_psnr_db"], st.step)
+    save_state(state_path, {"vae": vae}, opt, st)
+    return {"steps": st.step, "elapsed_s": st.elapsed_s, **st.extra}
+
+
+@torch.no_grad()
+def finalize_vae(vae: CausalVAE, preset: ModelPreset, count: int = 32, seed: int = 777) -> torch.Tensor:
+    """Rescale each latent channel to unit std over ``count`` training frames, exactly: the encoder's
+    mean outputs are divided by s_c (log-variance shifted by -2 log s_c) and the decoder's input conv
+    multiplies channel c by s_c on every temporal tap. Returns the scales."""
+    frames = FrameSampler("train", preset.height).batch(torch.Generator().manual_seed(seed), count)
+    z = torch.cat([vae.encode(frames[i : i + 8]) for i in range(0, count, 8)])
+    s = z.transpose(0, 1).reshape(z.shape[1], -1).std(dim=1).clamp(min=1e-4)  # (C,)
+    c = s.numel()
+    out_conv = vae.encoder.blocks[-1][2]
+    out_conv.weight[:c] /= s[:, None, None, None]
+    out_conv.bias[:c] /= s
+    out_conv.bias[c:] -= 2 * torch.log(s)
+    conv_in = vae.decoder.conv_in
+    for tap in range(conv_in.kt):
+        conv_in.conv.weight[:, tap * c : (tap + 1) * c] *= s[None, :, None, None]
+    return s
+
+
+def train_decoder(preset: ModelPreset, vae: CausalVAE, state_path: Path, *, minutes: float, seed: int = 0,
+                  batch: int = 2, lr: float = 1.5e-3, log_every: int = 10, save_every_s: float = 120.0,
+                  eval_frames: int = 16, threads: int | None = None, sr: nn.Module | None = None,
+                  sr_noise: float = 0.1) -> dict[str, float]:
+    """Fine-tune only the decoder of the final (frozen-encoder) VAE on full frames.
+
+    With ``sr`` (a trained, frozen SR model) the decoder learns to decode what the pipeline actually
+    feeds it: ``sr(to_lowres(encode(x)) + noise, encode(reference))``, never the encoder's latents
+    (the pipeline decodes only SR outputs), so it can undo some of the SR's blur.
+
+    The latents the A2V and SR models are trained on depend only on the encoder, so this runs while
+    they train. Full frames (not crops) so the decoder's group norms see inference statistics.
+    ``vae`` is updated in place; its weights are also in ``state_path`` (resumable).
+    """
+    if threads:
+        torch.set_num_threads(threads)
+    vae.encoder.requires_grad_(False)
+    vae.decoder.requires_grad_(True)
+    opt = torch.optim.AdamW(vae.decoder.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
+    st = load_state(state_path, {"vae": vae}, opt)
+    budget = Budget(minutes, st.elapsed_s)
+    sampler = FrameSampler("train", preset.height)
+    losses = LossLog(state_path.with_suffix(".jsonl"), "vae_decoder")
+    frames = heldout_frames(eval_frames, preset.height) if eval_frames else None
+    if frames is not None and "start_psnr_db" not in st.extra:
+        st.extra["start_psnr_db"] = heldout_psnr(vae.eval(), frames, sr)
+    last_save = budget.elapsed_s
+    vae.decoder.train()
+    while not budget.done():
+        gen = step_generator(seed, st.step, 3)
+        x, refs = sampler.batch_with_reference(gen, batch)
+        for g in opt.param_groups:
+            g["lr"] = cosine_lr(lr, budget.fraction, warmup=0.0)
+        with torch.no_grad():
+            mean, logvar = vae.encode_moments(x)
+            if sr is None:
+                z = mean + torch.exp(0.5 * logvar) * torch.randn(mean.shape, generator=gen)
+            else:
+                lr_z = vae.to_lowres(mean)
+                sig = torch.rand(lr_z.shape[0], 1, 1, 1, 1, generator=gen) * sr_noise
+                z = sr(lr_z + sig * torch.randn(lr_z.shape, generator=gen), vae.encode(refs)[:, :, 0])
+        y, _ = vae.decode(z, clamp=False)
+        l1, mse, edge = (y - x).abs().mean(), F.mse_loss(y, x), edge_loss(y, x)
+        loss = l1 + 2.0 * mse + 0.5 * edge
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.decoder.parameters(), 1.0)
+        opt.step()
+        with torch.no_grad():
+            zero_past_taps(vae)
+        st.step += 1
+        losses.add(loss=loss.item(), l1=l1.item(), mse=mse.item(), edge=edge.item())
+        if st.step % log_every == 0:
+            st.losses.append(losses.flush(st.step, budget.elapsed_s)["loss"])
+        if budget.elapsed_s - last_save > save_every_s:
+            st.elapsed_s = budget.elapsed_s
+            save_state(state_path, {"vae": vae}, opt, st)
+            last_save = budget.elapsed_s
+    vae.eval()
+    st.elapsed_s = budget.elapsed_s
+    if frames is not None:
+        st.extra["heldout_psnr_db"] = heldout_psnr(vae, frames, sr)
+        log.info("vae decoder: held-out PSNR %.2f -> %.2f dB after %d steps", st.extra["start_psnr_db"],
+                 st.extra["heldout_psnr_db"], st.step)
+    save_state(state_path, {"vae": vae}, opt, st)
+    return {"steps": st.step, "elapsed_s": st.elapsed_s, **st.extra}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
+    p.add_argument("--minutes", type=float, default=18.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--crop", type=int, default=128)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args(argv)
+    setup_logging(a.cache_dir / "train.log")
+    out = train_vae(get_preset(a.preset), a.cache_dir / "vae_state.pt", minutes=a.minutes, seed=a.seed,
+                    batch=a.batch, crop=a.crop, lr=a.lr, threads=a.threads)
+    log.info("vae done: %s", out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
