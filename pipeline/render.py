@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,46 +23,13 @@ from pipeline.inputs import AudioSource, load_reference_image
 from pipeline.media_types import FrameSink
 from pipeline.pipeline import ChunkEvent, Mode
 from pipeline.publish import Publisher
+from pipeline.request import RenderProgress, RenderRequest, RenderResult
 from pipeline.schedule import ChunkPlan, PlanError, frames_for_audio
 from pipeline.state import RollingState
 
 log = logging.getLogger(__name__)
 
 MAX_TEXT_CHARS = 2000
-
-
-@dataclass(frozen=True)
-class RenderRequest:
-    image: Path
-    audio: Path
-    text: str | None = None
-    seed: int = 0
-    preset: str = "tiny"
-    checkpoint: Path | None = None
-    use_i_chunks: bool = True  # False renders the N-only baseline (for seam measurements)
-
-
-@dataclass(frozen=True)
-class RenderProgress:
-    emission_index: int
-    num_emissions: int
-    frames_done: int
-    num_frames: int
-    elapsed_s: float
-
-
-@dataclass(frozen=True)
-class RenderResult:
-    num_frames: int
-    duration_s: float
-    ttff_s: float
-    wall_s: float
-    peak_rss_bytes: int
-    stage_s: dict[str, float]
-    model_s: dict[str, float]
-    encode_s: float
-    num_fragments: int
-    random_init: bool
 
 
 def validate_request(request: RenderRequest) -> None:

@@ -79,9 +79,6 @@ class Values:
         """Drop every chunk-scoped value (called by the pipeline after each step)."""
         self._chunk.clear()
 
-    def chunk_names(self) -> list[str]:
-        return sorted(self._chunk)
-
 
 class Phase(StrEnum):
     STEP = "step"  # runs once per plan step (N or I chunk)

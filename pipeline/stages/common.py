@@ -52,7 +52,3 @@ class Timings:
             yield
         finally:
             self.stage_s[name] += time.perf_counter() - t0
-
-    @property
-    def total_model_s(self) -> float:
-        return sum(self.model_s.values())

@@ -22,46 +22,18 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from pipeline.errors import CancelledError, InvalidInputError, OutOfMemoryError, RenderError
 from pipeline.media_types import Fragment, FrameSink, InitSegment
+from pipeline.request import RenderProgress, RenderRequest, RenderResult
 
 FPS = 25
 FRAMES_PER_FRAGMENT = 10
 FRAGMENT_BYTES = 1024
-
-
-@dataclass(frozen=True)
-class RenderRequest:
-    image: Path
-    audio: Path
-    text: str | None = None
-    seed: int = 0
-    preset: str = "tiny"
-    checkpoint: Path | None = None
-
-
-@dataclass(frozen=True)
-class RenderProgress:
-    emission_index: int
-    num_emissions: int
-    frames_done: int
-    num_frames: int
-    elapsed_s: float
-
-
-@dataclass(frozen=True)
-class RenderResult:
-    num_frames: int
-    duration_s: float
-    ttff_s: float
-    wall_s: float
-    peak_rss_bytes: int
-    stage_s: dict[str, float] = field(default_factory=dict)
 
 
 def write_plan(
