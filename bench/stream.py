@@ -4,8 +4,10 @@
 
 Prints one JSON object: ttff_s, frames, video_s, wall_s, realtime_factor (video seconds per wall
 second), peak_rss_bytes, stage_s, model_s (per model and total), encode_s and overhead_ratio
-(wall / (model + encode)). Run each mode in its own process (peak RSS is a process high-water mark);
-``--compare`` does that for both modes side by side and prints the ratios.
+(wall / (model + encode); below 1 where lanes overlap). Run each mode in its own process (peak RSS
+is a process high-water mark); ``--compare`` does that for both modes side by side and prints the
+ratios. ``--no-overlap`` runs SR + decode on the render loop instead of the emission lane (the
+sequential loop, to measure what the overlap buys).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from bench.inputs import DEMO_IMAGE, speech_wav
 
 
 def run_once(preset: str, seconds: float, mode: str, threads: int | None, image: Path | None,
-             checkpoint: Path | None, seed: int) -> dict[str, object]:
+             checkpoint: Path | None, seed: int, overlap: bool = True) -> dict[str, object]:
+    from pipeline.family import get_family
     from pipeline.host import default_threads
     from pipeline.render import RenderRequest, render
     from pipeline.sinks import FileSink
@@ -34,13 +37,16 @@ def run_once(preset: str, seconds: float, mode: str, threads: int | None, image:
         out = Path(tmp) / "out.mp4"
         request = RenderRequest(image=image or DEMO_IMAGE, audio=audio, seed=seed, preset=preset,
                                 checkpoint=checkpoint)
-        r = render(request, [FileSink(out)], mode=mode)  # type: ignore[arg-type]
+        family = get_family(preset, checkpoint)
+        family.overlap_emissions = overlap
+        r = render(request, [FileSink(out)], mode=mode, family=family)  # type: ignore[arg-type]
         out_bytes = out.stat().st_size
     model_total = sum(r.model_s.values())
     return {
         "preset": preset,
         "mode": mode,
         "threads": torch.get_num_threads(),
+        "overlap_emissions": overlap and mode == "streaming",
         "ttff_s": r.ttff_s,
         "frames": r.num_frames,
         "video_s": r.duration_s,
@@ -68,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--image", type=Path, default=None)
     p.add_argument("--checkpoint", type=Path, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-overlap", action="store_true",
+                   help="streaming: run SR + decode on the render loop, not on the emission lane")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--compare", action="store_true",
                    help="run streaming and batch in separate processes and print both plus ratios")
@@ -79,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
                    "--mode", mode, "--seed", str(args.seed), "--json"]
             if args.threads:
                 cmd += ["--threads", str(args.threads)]
+            for flag, value in (("--image", args.image), ("--checkpoint", args.checkpoint)):
+                if value is not None:
+                    cmd += [flag, str(value)]
+            if args.no_overlap:
+                cmd.append("--no-overlap")
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             results[mode] = json.loads(out.strip().splitlines()[-1])
         s, b = results["streaming"], results["batch"]
@@ -89,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         print(json.dumps(results, indent=None if args.json else 2))
         return 0
-    result = run_once(args.preset, args.seconds, args.mode, args.threads, args.image, args.checkpoint, args.seed)
+    result = run_once(args.preset, args.seconds, args.mode, args.threads, args.image, args.checkpoint, args.seed,
+                      overlap=not args.no_overlap)
     if args.json:
         print(json.dumps(result))
     else:

@@ -127,6 +127,10 @@ class AvatarFamily:
                                       on_use=functools.partial(on_use, n) if on_use is not None else None)
                 for n in names
             }
+        # SR + decode of one emission overlap the next step on a second core (Pipeline.run); not
+        # over a rank's loaded modules: sharded forwards issue collectives that every rank must run
+        # in the same order, and on_use parks models as each stage takes its turn
+        self.overlap_emissions = loaded is None and on_use is None
         self.timings = Timings()
         self.sampler = FlowMatchEulerSampler(p.num_steps, p.shift)
         self.pipeline = Pipeline(

@@ -7,12 +7,23 @@ a timeline range final, the emission stages (SR, decode) run on it and the frame
 Streaming and batch modes run the same stages on the same steps. Batch mode is the conventional
 design we measure against: it keeps every emission's latents until the plan is done, then runs SR and
 decode over the whole sequence, then encodes — and must give the same frames.
+
+With ``overlap_emissions`` (streaming only) the emission stages run on their own
+:class:`~pipeline.lane.Lane`: while SR and the VAE decode one emission, the loop already samples the
+next step, and the publisher encodes the emission before — three lanes on as many cores, each handing
+over through a queue of one. The emission stages see the same values and the rolling state as of
+their step, so the frames and resume snapshots are exactly those of the sequential loop. Off for
+families whose models are sharded or parked across ranks (their collectives must be issued in the
+same order on every rank: ``AvatarFamily.overlap_emissions``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -22,6 +33,7 @@ import torch
 
 from pipeline import ports as P
 from pipeline.errors import CancelledError, PipelineBuildError
+from pipeline.lane import Lane
 from pipeline.publish import Publisher
 from pipeline.schedule import ChunkKind, ChunkPlan, ChunkStep, Emission
 from pipeline.stage import Phase, Port, Scope, Stage, Values
@@ -44,6 +56,13 @@ class ChunkEvent:
     elapsed_s: float
 
 
+@dataclass(frozen=True)
+class _EmissionWork:
+    emission: Emission
+    latents: torch.Tensor  # low-res latents_BCThw of the emission
+    state: RollingState  # the rolling state as of the step that made the emission final
+
+
 class Pipeline:
     """A validated stage graph. Build once per preset; :meth:`run` once per request."""
 
@@ -57,7 +76,10 @@ class Pipeline:
 
     def _validate(self, provided: Sequence[Port[object]]) -> dict[str, Port[object]]:
         ports: dict[str, Port[object]] = {p.name: p for p in provided}
-        # Emission stages run after every step stage, so check them in that order.
+        # Emission stages run after every step stage, so check them in that order. They may run on
+        # the emission lane while the loop is at a later step: the step's chunk values are not theirs.
+        step_chunk = {P.STEP.name} | {p.name for s in self.stages if s.phase is Phase.STEP
+                                      for p in s.outputs if p.scope is Scope.CHUNK}
         ordered = sorted(self.stages, key=lambda s: 0 if s.phase is Phase.STEP else 1)
         for stage in ordered:
             for port in stage.inputs:
@@ -65,6 +87,11 @@ class Pipeline:
                 if have is None:
                     raise PipelineBuildError(
                         f"stage {stage.name!r} reads {port.name!r} but no earlier stage produces it")
+                if stage.phase is Phase.EMISSION and port.name in step_chunk:
+                    raise PipelineBuildError(
+                        f"emission stage {stage.name!r} reads {port.name!r}, a chunk value of the step: "
+                        "emission stages see only the emission (emission, emission_latents), job values "
+                        "and what earlier emission stages produce; make it job-scoped or pass it along")
                 if have is not port and (have.type is not port.type or have.scope is not port.scope):
                     raise PipelineBuildError(
                         f"stage {stage.name!r} reads {port.name!r} as {port.type.__name__}/{port.scope.value}"
@@ -87,7 +114,10 @@ class Pipeline:
         mode: Mode = "streaming",
         should_cancel: Callable[[], bool] | None = None,
         on_chunk: Callable[[ChunkEvent], None] | None = None,
+        overlap_emissions: bool = False,
     ) -> None:
+        """Run ``plan`` from ``state.next_step`` on. ``on_chunk`` is called on this thread, in order,
+        once per published emission (streaming) or once at the end (batch)."""
         t_start = time.perf_counter()
         values = Values(self.ports)
         for port, value in job_values.items():
@@ -101,10 +131,29 @@ class Pipeline:
                 stage.setup(values)
 
         held: list[torch.Tensor] = []  # batch mode only: every emission's latents, in order
+        events: deque[ChunkEvent] = deque()  # published emissions not yet reported to on_chunk
+
+        def report() -> None:
+            while events:
+                event = events.popleft()
+                if on_chunk is not None:
+                    on_chunk(event)
+
+        def emit(vals: Values, work: _EmissionWork) -> None:
+            self._emit(vals, work, plan, publisher)
+            events.append(ChunkEvent(work.emission.index, plan.num_emissions, work.emission.frames.stop,
+                                     plan.num_frames, time.perf_counter() - t_start))
+
+        lane: Lane[_EmissionWork] | None = None
+        if overlap_emissions and mode == "streaming":
+            lane_values = values.fork()  # same job values, its own chunk values
+            lane = Lane("emission", lambda work: emit(lane_values, work))
         steps = plan.steps
         publisher.open()
         ok = False
         try:
+            if lane is not None:
+                lane.start()
             for i in range(state.next_step, len(steps)):
                 if should_cancel is not None and should_cancel():
                     raise CancelledError(f"render cancelled before step {steps[i].name}")
@@ -115,23 +164,29 @@ class Pipeline:
                         stage.run(values)
                 latents = _advance(state, step, values.get(P.STEP_LATENTS))
                 state.next_step = i + 1
+                values.end_chunk()
                 if step.emission is not None and latents is not None:
                     if mode == "batch":
                         held.append(latents)
                     else:
-                        self._emit(values, state, plan, publisher, step.emission, latents)
-                        if on_chunk is not None:
-                            on_chunk(ChunkEvent(step.emission.index, plan.num_emissions,
-                                                step.emission.frames.stop, plan.num_frames,
-                                                time.perf_counter() - t_start))
-                values.end_chunk()
+                        work = _EmissionWork(step.emission, latents, dataclasses.replace(state))
+                        if lane is not None:
+                            lane.submit(work)
+                        else:
+                            emit(values, work)
+                report()
+            if lane is not None:
+                lane.finish(ok=True)  # every emission published (raises the lane's error, if any)
             if mode == "batch":
                 self._emit_batch(values, state, plan, publisher, held)
-                if on_chunk is not None:
-                    on_chunk(ChunkEvent(plan.num_emissions - 1, plan.num_emissions, plan.num_frames,
-                                        plan.num_frames, time.perf_counter() - t_start))
+                events.append(ChunkEvent(plan.num_emissions - 1, plan.num_emissions, plan.num_frames,
+                                         plan.num_frames, time.perf_counter() - t_start))
+            report()  # before the sinks finish: a callback that raises still fails the render
             ok = True
         finally:
+            if lane is not None and lane.running:  # failed or cancelled: drop the queued emissions
+                with contextlib.suppress(Exception):
+                    lane.finish(ok=False)
             publisher.finish(ok=ok)
 
     def _run_emission_stages(self, values: Values, emission: Emission, latents: torch.Tensor) -> np.ndarray:
@@ -142,13 +197,18 @@ class Pipeline:
                 stage.run(values)
         return values.get(P.FRAMES)
 
-    def _emit(self, values: Values, state: RollingState, plan: ChunkPlan, publisher: Publisher,
-              emission: Emission, latents: torch.Tensor) -> None:
-        frames = self._run_emission_stages(values, emission, latents)
+    def _emit(self, values: Values, work: _EmissionWork, plan: ChunkPlan, publisher: Publisher) -> None:
+        """SR + decode one emission and publish it, with the resume snapshot of the state after it."""
+        emission = work.emission
+        frames = self._run_emission_stages(values, emission, work.latents)
+        values.end_chunk()
+        state = values.get(P.ROLLING)  # the decoder cache lives here (only the decode stage touches it)
         state.next_emission = emission.index + 1
         is_last = emission.index == plan.num_emissions - 1
+        snapshot = None if is_last else dataclasses.replace(
+            work.state, next_emission=emission.index + 1, decoder_cache=state.decoder_cache).snapshot()
         publisher.publish(frames, first_frame=emission.frames.start, index=emission.index, is_last=is_last,
-                          resume_state=None if is_last else state.snapshot())
+                          resume_state=snapshot)
 
     def _emit_batch(self, values: Values, state: RollingState, plan: ChunkPlan, publisher: Publisher,
                     held: list[torch.Tensor]) -> None:

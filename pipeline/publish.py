@@ -1,18 +1,18 @@
 """Publisher: frames in, fMP4 fragments out to every sink — on a background thread when streaming.
 
 The render loop hands each emission's frames to :meth:`Publisher.publish` and goes on with the next
-chunk while the publisher encodes and delivers (a queue of one emission: the loop waits only when the
-publisher is a whole emission behind, which bounds memory to two emissions of frames). Errors raised
-by the encoder or a sink surface on the next ``publish`` or on ``finish``.
+chunk while the publisher encodes and delivers on its own :class:`~pipeline.lane.Lane` (a queue of
+one emission: the loop waits only when the publisher is a whole emission behind, which bounds memory
+to two emissions of frames). Errors raised by the encoder or a sink surface on the next ``publish``
+or on ``finish``.
 
-Who calls it: ``Pipeline.run`` only. It owns the encoder; the sinks are the caller's.
+Who calls it: ``Pipeline.run`` only (from the render loop, or from the emission lane when emissions
+overlap the next chunk). It owns the encoder; the sinks are the caller's.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,6 +22,7 @@ from typing import Protocol
 import numpy as np
 
 from pipeline.errors import RenderError, SinkError
+from pipeline.lane import Lane
 from pipeline.media_types import Fragment, FrameSink, InitSegment
 
 log = logging.getLogger(__name__)
@@ -59,9 +60,7 @@ class Publisher:
         self.sink_s = 0.0
         self.first_fragment_at: float | None = None  # perf_counter() when fragment 0 reached the sinks
         self.num_fragments = 0
-        self._queue: queue.Queue[_Item | None] = queue.Queue(maxsize=1)
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
+        self._lane: Lane[_Item] = Lane("publisher", self._deliver)
         self._opened: list[FrameSink] = []
 
     def open(self) -> None:
@@ -70,34 +69,27 @@ class Publisher:
             self._call_sink(sink, "open", partial(sink.open, init))
             self._opened.append(sink)
         if self.asynchronous:
-            self._thread = threading.Thread(target=self._loop, name="longtake-publisher", daemon=True)
-            self._thread.start()
+            self._lane.start()
 
     def publish(self, frames_THWC: np.ndarray, *, first_frame: int, index: int, is_last: bool,
                 resume_state: bytes | None) -> None:
-        self._raise_pending()
+        self._lane.raise_pending()
         if self.frame_tap is not None:
             self.frame_tap(first_frame, frames_THWC)
         item = _Item(frames_THWC, first_frame, index, is_last, resume_state)
-        if not self.asynchronous:
+        if self._lane.running:
+            self._lane.submit(item)
+        else:
             self._deliver(item)
-            return
-        while True:  # wait for room, but notice a failed publisher instead of blocking forever
-            try:
-                self._queue.put(item, timeout=0.5)
-                return
-            except queue.Full:
-                self._raise_pending()
 
     def finish(self, *, ok: bool) -> None:
         """Drain (when ``ok``), then close every opened sink. Raises the first delivery error."""
-        if self._thread is not None:
-            if not ok:
-                self._drain_queue()
-            self._queue.put(None)
-            self._thread.join()
-            self._thread = None
-        ok = ok and self._error is None
+        error: BaseException | None = None
+        try:
+            self._lane.finish(ok=ok)
+        except BaseException as exc:
+            error = exc
+        ok = ok and error is None
         close_error: BaseException | None = None
         for sink in self._opened:
             try:
@@ -106,22 +98,10 @@ class Publisher:
                 log.error("sink %s failed to close: %s", type(sink).__name__, exc)
                 close_error = close_error or exc
         self._opened.clear()
-        if self._error is not None:
-            raise self._error
+        if error is not None:
+            raise error
         if close_error is not None:
             raise _as_sink_error(close_error, "close")
-
-    def _loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            if self._error is not None:
-                continue  # keep draining so the producer never blocks on a dead publisher
-            try:
-                self._deliver(item)
-            except BaseException as exc:
-                self._error = exc
 
     def _deliver(self, item: _Item) -> None:
         t0 = time.perf_counter()
@@ -145,17 +125,6 @@ class Publisher:
             raise
         except Exception as exc:
             raise _as_sink_error(exc, f"{type(sink).__name__}.{what}") from exc
-
-    def _drain_queue(self) -> None:
-        try:
-            while True:
-                self._queue.get_nowait()
-        except queue.Empty:
-            pass
-
-    def _raise_pending(self) -> None:
-        if self._error is not None:
-            raise self._error
 
 
 def _as_sink_error(exc: BaseException, where: str) -> SinkError:

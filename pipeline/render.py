@@ -99,7 +99,7 @@ def render(
         family.pipeline.run(
             job_values={P.REFERENCE_RGB: reference, P.AUDIO: audio, P.TEXT: request.text, P.SEED: request.seed},
             plan=plan, state=state, publisher=publisher, mode=mode, should_cancel=should_cancel,
-            on_chunk=report,
+            on_chunk=report, overlap_emissions=family.overlap_emissions,
         )
     wall = time.perf_counter() - t0
     first = publisher.first_fragment_at

@@ -75,6 +75,13 @@ class Values:
         store = self._job if port.scope is Scope.JOB else self._chunk
         return cast("T | None", store.get(port.name))
 
+    def fork(self) -> Values:
+        """A store sharing this one's job values (read-only once the stages are set up) with chunk
+        values of its own: what a second thread of the same run (the emission lane) writes into."""
+        other = Values(self._ports)
+        other._job = self._job
+        return other
+
     def end_chunk(self) -> None:
         """Drop every chunk-scoped value (called by the pipeline after each step)."""
         self._chunk.clear()

@@ -133,3 +133,49 @@ def test_pipeline_rejects_unwired_stage() -> None:
 
     with pytest.raises(PipelineBuildError, match="emission_hr"):
         Pipeline([Orphan()])
+
+
+def test_emission_stage_may_not_read_step_chunk_values() -> None:
+    from pipeline import ports as P
+    from pipeline.family import get_family
+    from pipeline.pipeline import Pipeline
+    from pipeline.stage import Phase, Stage, Values
+
+    class PeeksAtAudio(Stage):  # would race with the next step on the emission lane
+        name = "peek"
+        phase = Phase.EMISSION
+        inputs = (P.AUDIO_FEATS,)
+        outputs = ()
+
+        def run(self, values: Values) -> None:  # pragma: no cover - never runs
+            pass
+
+    with pytest.raises(PipelineBuildError, match="emission stage 'peek' reads 'audio_feats'"):
+        Pipeline([*get_family("tiny").pipeline.stages, PeeksAtAudio()])
+
+
+def test_overlapped_emissions_equal_the_sequential_loop(speech) -> None:  # type: ignore[no-untyped-def]
+    import threading
+
+    from pipeline.family import get_family
+
+    family = get_family("tiny")
+    assert family.overlap_emissions  # a local family overlaps SR + decode with the next step
+    request = RenderRequest(image=DEMO_IMAGE, audio=speech(2.0), seed=7)
+    threads: set[str] = set()
+    overlapped, o_sink = _frames(request)
+    parts: list[np.ndarray] = []
+    render(request, [RecordingSink()],
+           frame_tap=lambda f0, fr: (threads.add(threading.current_thread().name), parts.append(fr.copy())))
+    assert threads == {"longtake-emission"}
+    family.overlap_emissions = False
+    try:
+        sequential, s_sink = _frames(request)
+        threads.clear()
+        render(request, [RecordingSink()], frame_tap=lambda f0, fr: threads.add(threading.current_thread().name))
+        assert threads == {threading.current_thread().name}
+    finally:
+        family.overlap_emissions = True
+    assert np.array_equal(overlapped, sequential)
+    # the same bytes, resume snapshots included (they are taken as of each emission's step)
+    assert [(f.data, f.resume_state) for f in o_sink.fragments] == [(f.data, f.resume_state) for f in s_sink.fragments]
