@@ -137,8 +137,9 @@ class AvatarFamily:
             [
                 ContextStage(self.modules["vae"], self.modules["audio"], self.modules.get("text"), fps=p.fps,
                              sample_rate=p.sample_rate, latent_channels=p.latent_channels,
-                             lr_latent_hw=p.lr_latent_hw, timings=self.timings),
-                A2VStage(self.modules["a2v"], self.sampler, timings=self.timings),
+                             lr_latent_hw=p.lr_latent_hw, timings=self.timings,
+                             silence_features=p.audio_guidance != 1.0),
+                A2VStage(self.modules["a2v"], self.sampler, timings=self.timings, audio_guidance=p.audio_guidance),
                 SRStage(self.modules["sr"], timings=self.timings),
                 DecodeStage(self.modules["vae"], timings=self.timings),
             ],

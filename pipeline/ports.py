@@ -49,6 +49,9 @@ TEXT_TOKENS = Port("text_tokens", torch.Tensor, J, "text tokens_BND", optional=T
 TEXT_MASK = Port("text_mask", torch.Tensor, J, "text mask_BN", optional=True)
 AUDIO_GAIN = Port("audio_gain", float, J, "loudness normalisation gain for the model's audio input")
 AUDIO_FEATS = Port("audio_feats", torch.Tensor, C, "audio features_BTD of the step's window")
+AUDIO_FEATS_SILENT = Port("audio_feats_silent", torch.Tensor, C,
+                          "features_BTD of silence over the step's window: audio guidance's unconditional input",
+                          optional=True)
 NOISE = Port("noise", torch.Tensor, C, "initial noise_BCThw of the step's window")
 
 # a2v stage

@@ -4,8 +4,10 @@ Terms (DESIGN §3). An N chunk holds ``L`` timeline frames, ``C`` boundary (cont
 interpolation span ``e`` (``0 < e < L``).
 
 * ``N_k`` generates timeline frames ``[kL, (k+1)L)`` (the last one may be short). ``N_0`` sees only
-  the reference (with ``reference_frame``, also as a known frame at position -1); ``N_k`` (k >= 1)
-  also sees the last ``C`` frames of ``N_{k-1}`` as clean context.
+  the reference; ``N_k`` (k >= 1) also sees the last ``C`` frames of ``N_{k-1}`` as clean context.
+  With ``reference_frame`` every N window also holds the reference's own low-res latent as one more
+  known frame in front of it (``ChunkStep.reference_slot``): each chunk is re-anchored on the
+  reference, so errors in the context cannot accumulate into drift.
 * ``I_k`` runs after ``N_k`` and ``N_{k+1}``. Its anchors are ``N_k``'s last frame (``(k+1)L - 1``)
   and ``N_{k+1}``'s frame ``e`` (``(k+1)L + e``); it generates the ``e`` frames between them, which
   replace ``N_{k+1}[0:e]``. Its predictions at the anchor positions are discarded.
@@ -56,7 +58,9 @@ class ChunkStep:
 
     ``window`` is the absolute range of timeline frames the model sees; ``known`` are the positions
     inside it that are given clean (context for N, anchors for I); ``generate`` the positions whose
-    predictions are kept. ``emission`` is the range this step makes final, if any.
+    predictions are kept. ``emission`` is the range this step makes final, if any. With
+    ``reference_slot`` the window's first position (``known[0]``) holds the reference's low-res latent
+    instead of that timeline frame (the frame itself is never read: it is before the context).
     """
 
     kind: ChunkKind
@@ -65,6 +69,7 @@ class ChunkStep:
     known: tuple[int, ...]
     generate: range
     emission: Emission | None
+    reference_slot: bool = False
 
     @property
     def name(self) -> str:
@@ -85,8 +90,8 @@ class ChunkPlan:
     context_frames: int  # C
     interp_frames: int  # e
     use_i_chunks: bool = True  # False: the conventional baseline, N chunks only (seams measured against it)
-    # True: N_0 sees the reference's own low-res latent as one known frame at timeline position -1,
-    # so its window is anchored like every later N chunk's (for models trained that way)
+    # True: every N window starts with the reference's own low-res latent as one more known frame
+    # (N_0 at timeline position -1, N_k just before its context); for models trained that way
     reference_frame: bool = False
 
     def __post_init__(self) -> None:
@@ -120,18 +125,17 @@ class ChunkPlan:
         L, C = self.chunk_frames, self.context_frames
         for k in range(self.num_n_chunks):
             gen = self.n_range(k)
-            if k > 0:
-                ctx = range(max(0, gen.start - C), gen.start)
-            else:
-                ctx = range(-1, 0) if self.reference_frame else range(0)
+            ctx = range(max(0, gen.start - C), gen.start) if k > 0 else range(gen.start, gen.start)
+            if self.reference_frame:
+                ctx = range(ctx.start - 1, ctx.stop)
             emission = None
             if k == 0:
                 emission = Emission(0, gen, gen, range(gen.stop, gen.stop))
             elif self.interp_span(k - 1) == 0:
                 # no I chunk will complete this N chunk: it is final as it stands
                 emission = Emission(k, gen, gen, range(gen.stop, gen.stop))
-            out.append(ChunkStep(ChunkKind.N, k, range(ctx.start if len(ctx) else gen.start, gen.stop),
-                                 tuple(ctx), gen, emission))
+            out.append(ChunkStep(ChunkKind.N, k, range(ctx.start, gen.stop), tuple(ctx), gen, emission,
+                                 reference_slot=self.reference_frame))
             if k >= 1:
                 i = k - 1
                 e_i = self.interp_span(i)

@@ -21,7 +21,9 @@ import torch
 
 from pipeline.errors import InvalidInputError
 
-SNAPSHOT_VERSION = 1
+# 2: ChunkPlan(reference_frame=True) re-anchors every N chunk (it anchored N_0 only in 1), so a
+# version-1 snapshot of such a plan would resume into different windows
+SNAPSHOT_VERSION = 2
 
 
 @dataclass

@@ -1,17 +1,13 @@
 """Evaluate a trained checkpoint: a streaming renderer with the pipeline's N/I chunk logic, used as
-``bench.quality``'s ``render_fn``, plus inference-side drift fixes to measure.
+``bench.quality``'s ``render_fn``, and the chain's upper bounds (``reconstruction_report``).
 
 Who calls what: ``python -m bench.quality --json --render-fn models.training.evaluate:render_for_quality``
 calls :func:`render_for_quality` twice (with and without I chunks). It runs the same modules, plan
-(``pipeline.schedule.ChunkPlan``), audio windows, known-frame handling and SR/decode order as the
-pipeline's stages, in-process and without the MP4 encoder, so a 10-minute score costs only model time.
-Importing ``pipeline.schedule`` is the only framework dependency (pure arithmetic, no torch state).
-
-``LONGTAKE_EVAL_FIX`` (environment, comma-separated) selects inference-side fixes to measure, none by
-default: ``refctx`` gives N_0 the reference's low-res latent as one known frame in front of its window
-(the pipeline's N_0 has no known frame; the A2V DiT cannot place reference content spatially without
-one, see docs/training.md); ``border`` shifts each generated N chunk's low-res latents, per channel, so that their mean over the
-frame border (background: the head never reaches it) equals the reference latent's.
+(``pipeline.schedule.ChunkPlan``, reference slots included), audio windows, known-frame handling and
+SR/decode order as the pipeline's stages, in-process and without the MP4 encoder, so a 10-minute
+score costs only model time. Importing ``pipeline.schedule`` is the only framework dependency (pure
+arithmetic, no torch state). ``bench.quality``'s default render-fn is the real pipeline
+(``bench/quality_render.py``); this one exists to score checkpoints fast while training.
 ``LONGTAKE_EVAL_CHECKPOINT`` overrides the checkpoint (default models/checkpoints/tiny.safetensors).
 """
 
@@ -32,20 +28,11 @@ from models.training.common import REPO_ROOT
 from pipeline.schedule import ChunkKind, ChunkPlan
 
 
-def border_mask(h: int, w: int) -> torch.Tensor:
-    """Low-res latent cells on the left/right columns of the top 3/4: background only."""
-    m = torch.zeros(h, w, dtype=torch.bool)
-    m[: max(1, (3 * h) // 4), 0] = True
-    m[: max(1, (3 * h) // 4), -1] = True
-    return m
-
-
 class StreamRenderer:
     """One render: reference + audio -> frames, chunk by chunk, constant memory."""
 
-    def __init__(self, modules: dict[str, torch.nn.Module], preset: ModelPreset, *, fix: str = "",
-                 seed: int = 0) -> None:
-        self.m, self.p, self.fix, self.seed = modules, preset, fix, seed
+    def __init__(self, modules: dict[str, torch.nn.Module], preset: ModelPreset, *, seed: int = 0) -> None:
+        self.m, self.p, self.seed = modules, preset, seed
         self.sampler = FlowMatchEulerSampler(preset.num_steps, preset.shift)
 
     @torch.inference_mode()
@@ -55,68 +42,64 @@ class StreamRenderer:
         L, C, e = p.chunk_frames, p.context_frames, p.interp_frames
         ref = torch.from_numpy(reference_rgb).permute(2, 0, 1)[None, :, None].float().div(127.5).sub(1.0)
         ref_z = m["vae"].encode(ref)[:, :, 0]
-        ref_lr = m["vae"].to_lowres(ref_z[:, :, None])[:, :, 0]
-        mask = border_mask(*p.lr_latent_hw)
-        ref_border = ref_lr[:, :, mask].mean(dim=-1)  # (1, C)
+        ref_lr = m["vae"].to_lowres(ref_z[:, :, None])  # (1, C, 1, h, w)
         sr_tokens = m["sr"].embed_reference(ref_z)
         ctx = m["a2v"].embed_context(ref_z)
         spf, pad = p.samples_per_frame, p.audio.context_frames
         wave = torch.from_numpy(np.ascontiguousarray(audio, dtype=np.float32))
-        plan = ChunkPlan(num_frames, L, C, e)
+        plan = ChunkPlan(num_frames, L, C, e, use_i_chunks=use_i, reference_frame=p.reference_frame)
         last_n: torch.Tensor | None = None
         prev_last: torch.Tensor | None = None
         pending: torch.Tensor | None = None  # N_k waiting for I_{k-1} (with I chunks)
         cache: list[torch.Tensor] | None = None
         h, w = p.lr_latent_hw
         for step in plan.steps:
-            if step.kind is ChunkKind.I and not use_i:
-                continue
             win = step.window
             known_mask = step.known_mask()
-            refctx = "refctx" in self.fix and step.kind is ChunkKind.N and step.index == 0
-            if refctx:  # N_0 with the reference's low-res latent as one known frame in front
-                win = range(win.start - 1, win.stop)
-                known_mask = [True] + known_mask
             s0, s1 = (win.start - pad) * spf, (win.stop + pad) * spf
             seg = torch.zeros(s1 - s0)
             lo, hi = max(0, s0), min(wave.numel(), s1)
             if hi > lo:
                 seg[lo - s0 : hi - s0] = wave[lo:hi]
             feats = m["audio"](seg[None], len(win))
+            g = p.audio_guidance
+            if g != 1.0:  # as the A2V stage: one forward over [audio, silence]
+                feats = torch.cat([feats, m["audio"](torch.zeros_like(seg)[None], len(win))])
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + win.start * 3 + (step.kind is ChunkKind.I))
             noise = torch.randn((1, p.latent_channels, len(win), h, w), generator=gen)
             known_BT = torch.tensor([known_mask])
             known = torch.zeros_like(noise)
-            if refctx:
-                known[:, :, 0] = ref_lr
-            elif step.known:
-                pos = [i for i, k in enumerate(known_mask) if k]
-                assert last_n is not None
-                if step.kind is ChunkKind.N:
-                    known[:, :, pos] = last_n[:, :, -len(step.known):]
-                else:
-                    assert prev_last is not None
-                    known[:, :, pos] = torch.cat([prev_last, last_n[:, :, e : e + 1]], dim=2)
+            if step.known:
+                parts = [ref_lr] if step.reference_slot else []
+                rest = len(step.known) - len(parts)
+                if rest and step.kind is ChunkKind.N:
+                    assert last_n is not None
+                    parts.append(last_n[:, :, -rest:])
+                elif rest:
+                    assert prev_last is not None and last_n is not None
+                    parts += [prev_last, last_n[:, :, e : e + 1]]
+                known[:, :, [i for i, k in enumerate(known_mask) if k]] = torch.cat(parts, dim=2)
             fidx = torch.tensor([list(win)])
 
             def velocity(x: torch.Tensor, t: torch.Tensor, fidx: torch.Tensor = fidx, known_BT: torch.Tensor = known_BT,
-                         feats: torch.Tensor = feats) -> torch.Tensor:
-                return m["a2v"](x, t.reshape(1), known_BT, fidx, ref_z, feats, context=ctx)
+                         feats: torch.Tensor = feats, g: float = g) -> torch.Tensor:
+                if g == 1.0:
+                    return m["a2v"](x, t.reshape(1), known_BT, fidx, ref_z, feats, context=ctx)
+                two = (ctx[0].expand(2, -1, -1), None if ctx[1] is None else ctx[1].expand(2, -1))
+                v_audio, v_silent = m["a2v"](x.expand(2, -1, -1, -1, -1), t.reshape(1).expand(2), known_BT.expand(2, -1),
+                                             fidx.expand(2, -1), ref_z.expand(2, -1, -1, -1), feats, context=two).chunk(2)
+                return v_silent + g * (v_audio - v_silent)
 
             x0 = self.sampler.sample(velocity, noise, known, known_BT)
             g0 = step.generate.start - win.start
             gen_lat = x0[:, :, g0 : g0 + len(step.generate)]
             if step.kind is ChunkKind.N:
-                if "border" in self.fix:
-                    shift = gen_lat[:, :, :, mask].mean(dim=(2, 3)) - ref_border
-                    gen_lat = gen_lat - shift[:, :, None, None, None]
                 prev_last = last_n[:, :, -1:] if last_n is not None else None
                 last_n = gen_lat
-                if step.index == 0 or not use_i or plan.interp_span(step.index - 1) == 0:
-                    out = gen_lat
-                else:
+                if step.emission is None:
                     pending = gen_lat
                     continue
+                out = gen_lat
             else:
                 assert pending is not None
                 out = torch.cat([gen_lat, pending[:, :, len(step.generate):]], dim=2)
@@ -148,7 +131,7 @@ def render_for_quality(image_path: Path, audio_path: Path, seconds: float, use_i
     ref = np.asarray(Image.open(image_path).convert("RGB").resize((p.width, p.height)))
     audio = load_audio(audio_path)
     n = int(np.ceil(seconds * p.fps))
-    r = StreamRenderer(mods, p, fix=os.environ.get("LONGTAKE_EVAL_FIX", ""))
+    r = StreamRenderer(mods, p)
     bounds = chunk_boundaries(n, p.chunk_frames, p.context_frames, p.interp_frames, use_i_chunks)
     return r.frames(ref, audio, n, use_i_chunks), list(bounds)
 

@@ -3,14 +3,21 @@
 Who calls it: ``train_all`` (after the latent cache exists) or ``python -m models.training.train_a2v``.
 
 One model, every window the pipeline runs (pipeline/schedule.py): per step one kind is drawn:
-* ``N``  — C + L frames, the first C known (context from the previous N chunk);
-* ``N0`` — L frames, none known (the first chunk of a render sees only the reference);
+* ``N``  — C + L frames, the first C known (context from the previous N chunk); with
+  ``preset.reference_frame`` 1 + C + L frames, the reference's own low-res latent in front as one
+  more known frame (every N chunk re-anchored on the reference: the drift fix of issue 6);
+* ``R``  — 1 + L frames, the reference's low-res latent known in front (``N_0`` with
+  ``reference_frame``); without it ``N0`` — L frames, none known;
 * ``I``  — e + 2 frames, the first and the last known (anchors).
 Frame indices start at a random absolute offset (RoPE sees only relative offsets, but this also covers
 any absolute-position leak). Known frames are corrupted (Gaussian noise and a small per-channel
 offset) while the target stays clean: at inference the context is the model's own output, and the
-model learns to pull it back towards the reference instead of copying its errors (the drift fix of
-issue 6). Loss: |v - (noise - x0)|^2 on unknown frames only. An EMA of the weights is what ships.
+model learns to pull it back towards the reference instead of copying its errors; I anchors get a
+little noise only (``anchor_noise``: joining them exactly is what removes seams). The reference slot
+stays clean (at inference it is the exact reference latent). Loss: |v - (noise - x0)|^2 on unknown
+frames only, each latent cell weighted by how far it is from the reference's (``change_weights``: the
+mouth, the eyes and the head's motion are a few cells of the frame, and an unweighted loss is
+satisfied by a still face). An EMA of the weights is what ships.
 The text encoder stays at its seeded init (frozen); with probability ``text_prob`` a prompt is passed
 so the DiT learns that a prompt does not change the face.
 """
@@ -53,26 +60,41 @@ def lowres(hr_NTCHW: torch.Tensor, factor: int) -> torch.Tensor:
     return F.avg_pool2d(hr_NTCHW.reshape(n * t, c, h, w), factor).reshape(n, t, c, h // factor, w // factor)
 
 
+def change_weights(x_BCThw: torch.Tensor, ref_BChw: torch.Tensor, gain: float = 3.0, cap: float = 10.0
+                   ) -> torch.Tensor:
+    """Per-cell loss weights ``(B, T, h, w)``: 1 + gain * (distance to the reference / its mean over the
+    sample), capped. Cells that never move (background, hair) keep weight ~1; cells that move with
+    the audio (mouth) or the head get several times more."""
+    d = (x_BCThw - ref_BChw[:, :, None]).abs().mean(dim=1)  # (B, T, h, w)
+    d = d / d.mean(dim=(1, 2, 3), keepdim=True).clamp_min(1e-6)
+    return (1 + gain * d).clamp_max(cap)
+
+
 class A2VBatcher:
     """Draws training windows from :class:`LatentClips` (all randomness from the step's generator)."""
 
-    def __init__(self, clips: LatentClips, preset: ModelPreset, *, context_noise: float = 0.2,
-                 context_offset: float = 0.05) -> None:
+    def __init__(self, clips: LatentClips, preset: ModelPreset, *, context_noise: float = 0.3,
+                 context_offset: float = 0.08, anchor_noise: float | None = 0.05) -> None:
         self.clips, self.preset = clips, preset
         self.lr = lowres(clips.hr, preset.lowres_factor)  # (N, T, C, h, w)
         self.spf = preset.samples_per_frame
         self.pad = preset.audio.context_frames
         self.context_noise, self.context_offset = context_noise, context_offset
+        self.anchor_noise = anchor_noise
         L, C, e = preset.chunk_frames, preset.context_frames, preset.interp_frames
-        if clips.clip_frames < C + L:
-            raise ValueError(f"cached clips have {clips.clip_frames} frames; the N window needs C+L={C + L}: "
-                             "rebuild the cache with longer clips")
-        self.kinds = {"N": (C + L, list(range(C))), "N0": (L, []), "I": (e + 2, [0, e + 1]),
-                      "R": (1 + L, [0])}
+        self.ref_slot = preset.reference_frame  # kinds whose first frame is the reference latent
+        self.kinds = {"N": (1 + C + L, list(range(C + 1))) if self.ref_slot else (C + L, list(range(C))),
+                      "N0": (L, []), "I": (e + 2, [0, e + 1]), "R": (1 + L, [0])}
+        if clips.clip_frames < self.kinds["N"][0]:
+            raise ValueError(f"cached clips have {clips.clip_frames} frames; the N window needs "
+                             f"{self.kinds['N'][0]}: rebuild the cache with longer clips")
         self.ref_lr = lowres(clips.ref[:, None], preset.lowres_factor)[:, 0]  # (N, C, h, w)
 
-    def draw_kind(self, gen: torch.Generator,
-                  probs: tuple[tuple[str, float], ...] = (("N", 0.5), ("I", 0.3), ("R", 0.15), ("N0", 0.05))) -> str:
+    def draw_kind(self, gen: torch.Generator, probs: tuple[tuple[str, float], ...] | None = None) -> str:
+        """The window kind of a step; by default only the kinds the pipeline runs for this preset."""
+        if probs is None:
+            probs = ((("N", 0.5), ("I", 0.3), ("R", 0.2)) if self.ref_slot
+                     else (("N", 0.5), ("I", 0.3), ("R", 0.15), ("N0", 0.05)))
         u = float(torch.rand(1, generator=gen))
         for kind, pr in probs:
             if u < pr:
@@ -96,14 +118,22 @@ class A2VBatcher:
         offset = torch.randint(0, 20_000, (size, 1), generator=gen)
         frame_index = offset + torch.arange(T)[None]
         # corrupted context: noise of random strength + a per-channel offset (colour drift stand-in)
-        sig = torch.rand(size, 1, 1, 1, 1, generator=gen) * self.context_noise
-        bias = torch.randn(size, x0.shape[1], 1, 1, 1, generator=gen) * self.context_offset
+        # I anchors are the model's own fresh outputs and the I chunk's job is to join them exactly:
+        # a little noise only, no colour offset (that is the N context's drift stand-in)
+        # (anchor_noise None: I anchors corrupted like N context, as the shipped run's first 40 minutes)
+        noise_scale, offset_scale = ((self.anchor_noise, 0.0) if kind == "I" and self.anchor_noise is not None
+                                     else (self.context_noise, self.context_offset))
+        sig = torch.rand(size, 1, 1, 1, 1, generator=gen) * noise_scale
+        bias = torch.randn(size, x0.shape[1], 1, 1, 1, generator=gen) * offset_scale
         bias = bias * (torch.rand(size, 1, 1, 1, 1, generator=gen) < 0.5)
-        if kind == "R":  # the first chunk with the reference's low-res latent as its one context frame
+        ref_slot = kind == "R" or (kind == "N" and self.ref_slot)
+        if ref_slot:  # the reference's low-res latent as the window's first (known) frame
             x0[:, :, 0] = self.ref_lr[idx]
         ctx = x0 + sig * torch.randn(x0.shape, generator=gen) + bias
+        if ref_slot:  # at inference the reference slot is exact: never corrupted
+            ctx[:, :, 0] = self.ref_lr[idx]
         return {"x0": x0, "ctx": ctx, "wave": waves, "known": known, "frame_index": frame_index,
-                "ref": self.clips.ref[idx], "mouth": self.clips.mouth[idx]}
+                "ref": self.clips.ref[idx], "ref_lr": self.ref_lr[idx], "mouth": self.clips.mouth[idx]}
 
 
 def flow_loss(dit: A2VDiT, audio: AudioEncoder, b: dict[str, torch.Tensor], gen: torch.Generator, shift: float,
@@ -119,9 +149,9 @@ def flow_loss(dit: A2VDiT, audio: AudioEncoder, b: dict[str, torch.Tensor], gen:
     feats = audio(b["wave"], T)
     text_B = (text[0].expand(B, -1, -1), text[1].expand(B, -1)) if text is not None else (None, None)
     v = dit(x_t, t, known, b["frame_index"], b["ref"], feats, text_B[0], text_B[1])
-    err = (v - (noise - x0)).pow(2).mean(dim=(1, 3, 4))  # (B, T)
-    unknown = (~known).float()
-    return (err * unknown).sum() / unknown.sum()
+    w = change_weights(x0, b["ref_lr"]) * (~known).float()[:, :, None, None]  # (B, T, h, w)
+    err = (v - (noise - x0)).pow(2).mean(dim=1)  # (B, T, h, w)
+    return (err * w).sum() / w.sum()
 
 
 class EMA:
@@ -138,7 +168,7 @@ class EMA:
 def train_a2v(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes: float, seed: int = 0,
               batch_n: int = 6, batch_i: int = 16, lr: float = 1e-3, text_prob: float = 0.25,
               ema_max: float = 0.998, log_every: int = 20, save_every_s: float = 120.0,
-              threads: int | None = None) -> dict[str, float]:
+              threads: int | None = None, anchor_noise: float | None = 0.05) -> dict[str, float]:
     """Train (or resume) for ``minutes`` of wall time in total; the state file holds model + EMA weights."""
     if threads:
         torch.set_num_threads(threads)
@@ -159,7 +189,7 @@ def train_a2v(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes
                             betas=(0.9, 0.99))
     st = load_state(state_path, {**train_mods, "ema_a2v": ema.shadow["a2v"], "ema_audio": ema.shadow["audio"]}, opt)
     clips = LatentClips(cache_dir)
-    batcher = A2VBatcher(clips, preset)
+    batcher = A2VBatcher(clips, preset, anchor_noise=anchor_noise)
     budget = Budget(minutes, st.elapsed_s)
     losses = LossLog(state_path.with_suffix(".jsonl"), "a2v")
     last_save = budget.elapsed_s
@@ -200,10 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--anchor-noise", default="0.05",
+                   help="max noise on I anchors (no colour offset), or 'context' to corrupt them like N context")
     a = p.parse_args(argv)
     setup_logging(a.cache_dir / "train.log")
     out = train_a2v(get_preset(a.preset), a.cache_dir / "latents", a.cache_dir / "a2v_state.pt",
-                    minutes=a.minutes, seed=a.seed, lr=a.lr, threads=a.threads)
+                    minutes=a.minutes, seed=a.seed, lr=a.lr, threads=a.threads,
+                    anchor_noise=None if a.anchor_noise == "context" else float(a.anchor_noise))
     log.info("a2v done: %s", out)
     return 0
 

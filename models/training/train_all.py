@@ -13,6 +13,11 @@ same command after an interruption; finished stages are skipped because their bu
 6. the decoder again, on the frozen SR model's outputs (``chain_decoder``: what the pipeline decodes);
 7. ``assemble_checkpoint``: EMA weights of every trained module, the text encoder at its seeded
    init, into ``models/checkpoints/<preset>.safetensors`` with metadata (steps, losses, seed, commit).
+
+``--stage reuse-vae --from CKPT`` replaces 1: the VAE (encoder and decoder) of an earlier checkpoint
+of the same preset becomes ``vae_final.pt``, and its ``vae_*`` metadata is carried into the new
+checkpoint. The VAE does not depend on the A2V / SR shapes, so a change there (``lowres_factor``,
+the window kinds) retrains only stages 2-7.
 """
 
 from __future__ import annotations
@@ -69,6 +74,26 @@ def chain_decoder(preset: ModelPreset, cache_dir: Path, minutes: float, seed: in
     return train_decoder(preset, vae, state, minutes=minutes, seed=seed, sr=sr)
 
 
+def reuse_vae(preset: ModelPreset, cache_dir: Path, checkpoint: Path) -> None:
+    """Stage 1 from an earlier checkpoint: its VAE weights -> ``vae_final.pt``, its VAE metadata ->
+    ``vae_reused.json`` (read by :func:`assemble_checkpoint`)."""
+    from safetensors import safe_open
+
+    with safe_open(str(checkpoint), "pt") as f:
+        meta = f.metadata() or {}
+        sd = {k.removeprefix("vae."): f.get_tensor(k) for k in f.keys() if k.startswith("vae.")}
+    if meta.get("preset") != preset.name:
+        raise ValueError(f"--from {checkpoint}: a checkpoint of preset {meta.get('preset')!r}, not {preset.name!r}")
+    vae = CausalVAE(preset.vae)
+    vae.load_state_dict(sd)  # strict: a VAE of another shape is an error here, not at assembly
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    torch.save(vae.state_dict(), cache_dir / "vae_final.pt")
+    carried = {k: v for k, v in meta.items() if k.startswith("vae_") and not k.startswith("vae_chain")}
+    carried["vae_reused_from"] = f"{checkpoint.name} (git {meta.get('git_commit', '?')})"
+    (cache_dir / "vae_reused.json").write_text(json.dumps(carried, indent=1))
+    log.info("vae reused from %s: %s", checkpoint, carried)
+
+
 def _state(path: Path) -> TrainState:
     blob = torch.load(path, map_location="cpu", weights_only=False)
     return TrainState(**blob["state"])
@@ -92,14 +117,20 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
     mods["audio"].load_state_dict(a2v["modules"]["ema_audio"])
     sr = torch.load(cache_dir / "sr_state.pt", map_location="cpu", weights_only=False)
     mods["sr"].load_state_dict(sr["modules"]["ema_sr"])
-    st_v, st_a, st_s = (_state(cache_dir / f"{k}_state.pt") for k in ("vae", "a2v", "sr"))
+    st_a, st_s = (_state(cache_dir / f"{k}_state.pt") for k in ("a2v", "sr"))
+    reused = cache_dir / "vae_reused.json"
+    if reused.is_file():
+        vae_meta: dict[str, str] = json.loads(reused.read_text())
+    else:
+        st_v = _state(cache_dir / "vae_state.pt")
+        vae_meta = {"vae_steps": str(st_v.step), "vae_minutes": f"{st_v.elapsed_s / 60:.1f}",
+                    "vae_heldout_psnr_db": f"{st_v.extra.get('heldout_psnr_db', float('nan')):.2f}"}
     meta = {
         "preset": preset.name,
         "seed": str(seed),
         "git_commit": git_commit(),
         "trained_on": "synthetic avatars (models.avatars), train identities [0, 1e6), train voices",
-        "vae_steps": str(st_v.step), "vae_minutes": f"{st_v.elapsed_s / 60:.1f}",
-        "vae_heldout_psnr_db": f"{st_v.extra.get('heldout_psnr_db', float('nan')):.2f}",
+        **vae_meta,
         **({"vae_decoder_steps": str(_state(dec_state).step),
             "vae_decoder_minutes": f"{_state(dec_state).elapsed_s / 60:.1f}",
             "vae_decoder_heldout_psnr_db": f"{_state(dec_state).extra.get('heldout_psnr_db', float('nan')):.2f}"}
@@ -122,8 +153,11 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--stage", choices=["all", "cache", "decoder", "chain", "assemble"], default="all",
-                   help="run one stage only (cache: --worker/--num-workers build shards in parallel)")
+    p.add_argument("--stage", choices=["all", "reuse-vae", "cache", "decoder", "chain", "assemble"], default="all",
+                   help="run one stage only (cache: --worker/--num-workers build shards in parallel; "
+                        "reuse-vae: the VAE of --from instead of training one)")
+    p.add_argument("--from", dest="from_checkpoint", type=Path, default=None,
+                   help="with --stage reuse-vae: the checkpoint whose VAE to reuse")
     p.add_argument("--stage-minutes", type=float, default=None, help="with --stage decoder: its own budget")
     p.add_argument("--worker", type=int, default=0)
     p.add_argument("--num-workers", type=int, default=1)
@@ -142,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     out = a.out or REPO_ROOT / "models" / "checkpoints" / f"{preset.name}.safetensors"
     extra = {"latent_clips": str(a.clips), "clip_frames": str(a.clip_frames)}
+    if a.stage == "reuse-vae":
+        if a.from_checkpoint is None:
+            p.error("--stage reuse-vae needs --from CHECKPOINT (an earlier checkpoint of the same preset)")
+        reuse_vae(preset, a.cache_dir, a.from_checkpoint)
+        return 0
     if a.stage == "cache":
         build_latent_cache(final_vae(preset, a.cache_dir), a.cache_dir / "latents", a.clips, a.clip_frames,
                            seed=a.seed, size=preset.height, worker=a.worker, num_workers=a.num_workers)

@@ -3,7 +3,8 @@
 Who calls it: ``train_all`` (after the latent cache exists) or ``python -m models.training.train_sr``.
 Input ``to_lowres(z)`` of a frame, corrupted by Gaussian noise of random strength (at inference the
 low-res latents come from the A2V sampler, not from the encoder), target ``z``; reference = the
-identity's neutral frame latent. Loss: L1 in latent space. Frames are independent (SR is per frame),
+identity's neutral frame latent. Loss: L1 in latent space, each cell weighted by its distance to the
+reference's (``train_a2v.change_weights``: the mouth is a few cells of the frame). Frames are independent (SR is per frame),
 so a batch is a random set of frames of random clips.
 """
 
@@ -29,7 +30,7 @@ from models.training.common import (
     step_generator,
 )
 from models.training.data import LatentClips
-from models.training.train_a2v import EMA, lowres
+from models.training.train_a2v import EMA, change_weights, lowres
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,8 @@ def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes:
         x, y, ref = sr_batch(clips, lr_all, gen, batch, noise)
         for g in opt.param_groups:
             g["lr"] = cosine_lr(lr, budget.fraction)
-        loss = (sr(x, ref) - y).abs().mean()
+        w = change_weights(y, ref)  # (B, 1, H, W)
+        loss = ((sr(x, ref) - y).abs().mean(dim=1) * w).sum() / w.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(sr.parameters(), 1.0)

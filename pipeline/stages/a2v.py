@@ -4,6 +4,11 @@ One DiT serves both chunk kinds: the step's window holds known (clean) frames an
 generate. For ``N_k`` the known frames are the last C frames of ``N_{k-1}`` (kept as latents, never
 decoded and re-encoded); for ``I_k`` they are the two anchors, ``N_k``'s last frame and
 ``N_{k+1}``'s frame ``e``. Predictions at known positions are discarded.
+
+Audio guidance (``ModelPreset.audio_guidance`` g != 1): every velocity is
+``v(silence) + g * (v(audio) - v(silence))``, both halves in one batched forward. Silence is a
+condition the model saw in every pause of its training speech, so it needs no condition dropout in
+training; the guidance amplifies what the audio changes — the mouth.
 """
 
 from __future__ import annotations
@@ -20,13 +25,15 @@ from pipeline.stages.common import Timings
 class A2VStage(Stage):
     name = "a2v"
     phase = Phase.STEP
-    inputs = (P.STEP, P.ROLLING, P.REF_LATENT, P.REF_LOWRES, P.TEXT_TOKENS, P.TEXT_MASK, P.AUDIO_FEATS, P.NOISE)
+    inputs = (P.STEP, P.ROLLING, P.REF_LATENT, P.REF_LOWRES, P.TEXT_TOKENS, P.TEXT_MASK, P.AUDIO_FEATS,
+              P.AUDIO_FEATS_SILENT, P.NOISE)
     outputs = (P.A2V_CONTEXT, P.STEP_LATENTS)
 
-    def __init__(self, dit: Module, sampler: object, *, timings: Timings) -> None:
+    def __init__(self, dit: Module, sampler: object, *, timings: Timings, audio_guidance: float = 1.0) -> None:
         self.dit = dit
         self.sampler = sampler  # models.sampler.FlowMatchEulerSampler (no weights)
         self.timings = timings
+        self.audio_guidance = audio_guidance
 
     def modules(self) -> list[object]:
         return [self.dit]
@@ -52,10 +59,25 @@ class A2VStage(Stage):
         ref, audio = values.get(P.REF_LATENT), values.get(P.AUDIO_FEATS)
         context = values.get(P.A2V_CONTEXT)
         dit = self.dit.get()
+        g = self.audio_guidance
+        silent = values.get_optional(P.AUDIO_FEATS_SILENT) if g != 1.0 else None
+        if g != 1.0 and silent is None:
+            raise RuntimeError("audio guidance needs the context stage's silence features (silence_features=True)")
+        # the DiT's batch: [audio] alone, or [audio, silence] in one forward (audio guidance)
+        nb = 1 if silent is None else 2
+        audio_nb = audio if silent is None else torch.cat([audio, silent])
+        known_nb, index_nb = known_BT.expand(nb, -1), frame_index_BT.expand(nb, -1)
+        ref_nb = ref.expand(nb, *ref.shape[1:])
+        tokens, mask = context
+        context_nb = (tokens.expand(nb, *tokens.shape[1:]), None if mask is None else mask.expand(nb, -1))
 
         def velocity(x_BCThw: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            t_B = t.reshape(-1).expand(x_BCThw.shape[0]).to(x_BCThw.dtype)
-            return dit(x_BCThw, t_B, known_BT, frame_index_BT, ref, audio, context=context)  # type: ignore[no-any-return]
+            t_B = t.reshape(-1)[:1].expand(nb).to(x_BCThw.dtype)
+            v = dit(x_BCThw.expand(nb, *x_BCThw.shape[1:]), t_B, known_nb, index_nb, ref_nb, audio_nb, context=context_nb)
+            if silent is None:
+                return v  # type: ignore[no-any-return]
+            v_audio, v_silent = v.chunk(2)
+            return v_silent + g * (v_audio - v_silent)  # type: ignore[no-any-return]
 
         with self.timings.model("a2v"):
             x0 = self.sampler.sample(velocity, noise, known, known_BT)  # type: ignore[attr-defined]
@@ -64,14 +86,18 @@ class A2VStage(Stage):
 
     @staticmethod
     def _known_latents(step: ChunkStep, values: Values) -> torch.Tensor:
-        if step.known == (-1,):  # N_0 anchored on the reference itself (ChunkPlan.reference_frame)
-            return values.get(P.REF_LOWRES)
-        state = values.get(P.ROLLING)
-        if state.last_n is None:
-            raise RuntimeError(f"{step.name} needs the previous N chunk but the rolling state has none")
-        if step.kind is ChunkKind.N:
-            return state.last_n[:, :, -len(step.known):]
-        if state.prev_last is None:
-            raise RuntimeError(f"{step.name} needs its left anchor but the rolling state has none")
-        e = len(step.generate)
-        return torch.cat([state.prev_last, state.last_n[:, :, e : e + 1]], dim=2)
+        """The known frames of the step's window, in window order."""
+        parts = [values.get(P.REF_LOWRES)] if step.reference_slot else []  # ChunkPlan.reference_frame
+        from_state = len(step.known) - len(parts)
+        if from_state:
+            state = values.get(P.ROLLING)
+            if state.last_n is None:
+                raise RuntimeError(f"{step.name} needs the previous N chunk but the rolling state has none")
+            if step.kind is ChunkKind.N:
+                parts.append(state.last_n[:, :, -from_state:])
+            else:
+                if state.prev_last is None:
+                    raise RuntimeError(f"{step.name} needs its left anchor but the rolling state has none")
+                e = len(step.generate)
+                parts += [state.prev_last, state.last_n[:, :, e : e + 1]]
+        return torch.cat(parts, dim=2)

@@ -1,5 +1,6 @@
 """ContextStage: the reference encoded once per request, then per step the audio features of the
-step's window and the step's initial noise."""
+step's window (and, for audio guidance, the features of silence over the same window) and the
+step's initial noise."""
 
 from __future__ import annotations
 
@@ -17,11 +18,14 @@ class ContextStage(Stage):
     name = "context"
     phase = Phase.STEP
     inputs = (P.REFERENCE_RGB, P.AUDIO, P.TEXT, P.SEED, P.STEP)
-    outputs = (P.REF_LATENT, P.REF_LOWRES, P.TEXT_TOKENS, P.TEXT_MASK, P.AUDIO_GAIN, P.AUDIO_FEATS, P.NOISE)
+    outputs = (P.REF_LATENT, P.REF_LOWRES, P.TEXT_TOKENS, P.TEXT_MASK, P.AUDIO_GAIN, P.AUDIO_FEATS,
+               P.AUDIO_FEATS_SILENT, P.NOISE)
 
     def __init__(self, vae: Module, audio: Module, text: Module | None, *, fps: int, sample_rate: int,
-                 latent_channels: int, lr_latent_hw: tuple[int, int], timings: Timings) -> None:
+                 latent_channels: int, lr_latent_hw: tuple[int, int], timings: Timings,
+                 silence_features: bool = False) -> None:
         self.vae, self.audio, self.text = vae, audio, text
+        self.silence_features = silence_features  # the A2V stage guides the audio (ModelPreset.audio_guidance)
         self.fps, self.sample_rate = fps, sample_rate
         self.latent_channels, self.lr_latent_hw = latent_channels, lr_latent_hw
         self.timings = timings
@@ -59,7 +63,9 @@ class ContextStage(Stage):
         wave_BS = torch.from_numpy(np.clip(wave, -1.0, 1.0).astype(np.float32))[None]
         with self.timings.model("audio"):
             feats = encoder(wave_BS, len(step.window))
+            silent = encoder(torch.zeros_like(wave_BS), len(step.window)) if self.silence_features else None
         values.put(P.AUDIO_FEATS, feats)
+        values.put(P.AUDIO_FEATS_SILENT, silent)
         h, w = self.lr_latent_hw
         gen = step_generator(values.get(P.SEED), step)
         values.put(P.NOISE, torch.randn((1, self.latent_channels, len(step.window), h, w), generator=gen))

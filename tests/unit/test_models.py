@@ -38,7 +38,7 @@ def mods(preset: ModelPreset) -> dict[str, torch.nn.Module]:
 
 def test_tiny_sizes(preset: ModelPreset) -> None:
     assert (preset.height, preset.width, preset.fps) == (256, 256, 25)
-    assert preset.hr_latent_hw == (32, 32) and preset.lr_latent_hw == (8, 8)
+    assert preset.hr_latent_hw == (32, 32) and preset.lr_latent_hw == (16, 16)
     assert 0 < preset.interp_frames < preset.chunk_frames
     assert set(PRESETS) == {"tiny", "1.3b", "14b"}
 

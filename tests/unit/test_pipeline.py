@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from bench.inputs import DEMO_IMAGE
 from pipeline.errors import CancelledError, PipelineBuildError
@@ -179,3 +180,37 @@ def test_overlapped_emissions_equal_the_sequential_loop(speech) -> None:  # type
     assert np.array_equal(overlapped, sequential)
     # the same bytes, resume snapshots included (they are taken as of each emission's step)
     assert [(f.data, f.resume_state) for f in o_sink.fragments] == [(f.data, f.resume_state) for f in s_sink.fragments]
+
+
+def test_audio_guidance_is_wired_and_off_means_one_forward(speech) -> None:  # type: ignore[no-untyped-def]
+    import dataclasses
+
+    from models.presets import get_preset
+    from pipeline import ports as P
+    from pipeline.family import AvatarFamily, default_checkpoint
+
+    tiny = get_preset("tiny")
+    assert tiny.audio_guidance == 3.0
+    request = RenderRequest(image=DEMO_IMAGE, audio=speech(0.64), seed=2)
+    frames = {}
+    for g in (1.0, 3.0):
+        family = AvatarFamily(dataclasses.replace(tiny, audio_guidance=g), default_checkpoint("tiny"))
+        seen: list[object] = []
+        a2v = family.pipeline.step_stages[1]
+        run = a2v.run
+
+        def spy(values, run=run, seen=seen):  # type: ignore[no-untyped-def]
+            seen.append(values.get_optional(P.AUDIO_FEATS_SILENT))
+            run(values)
+
+        a2v.run = spy  # type: ignore[method-assign]
+        parts: list[np.ndarray] = []
+        render(request, [RecordingSink()], family=family,
+               frame_tap=lambda f0, fr, parts=parts: parts.append(fr.copy()))
+        frames[g] = np.concatenate(parts)
+        if g == 1.0:
+            assert seen and all(s is None for s in seen)  # no silence features, one forward per step
+        else:  # silence over each step's window, as many frames as the window
+            assert seen and all(isinstance(s, torch.Tensor) and s.shape[1] in (16, 17) for s in seen)
+    assert frames[1.0].shape == frames[3.0].shape
+    assert not np.array_equal(frames[1.0], frames[3.0])

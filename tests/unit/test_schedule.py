@@ -140,13 +140,18 @@ def test_frames_for_audio_rounds_up_and_rejects_empty_audio() -> None:
         frames_for_audio(0, 16000, 25)
 
 
-def test_reference_frame_anchors_n0_only() -> None:
+def test_reference_frame_anchors_every_n_chunk() -> None:
     plan = ChunkPlan(40, 16, 4, 4, reference_frame=True)
     steps = {s.name: s for s in plan.steps}
     n0 = steps["N0"]
     assert n0.window == range(-1, 16) and n0.known == (-1,) and n0.generate == range(0, 16)
     assert n0.known_mask() == [True] + [False] * 16
-    assert steps["N1"].known == (12, 13, 14, 15)  # later chunks unchanged
+    n1 = steps["N1"]  # the reference slot in front of the context
+    assert n1.window == range(11, 32) and n1.known == (11, 12, 13, 14, 15) and n1.generate == range(16, 32)
+    assert n1.known_mask() == [True] * 5 + [False] * 16
+    assert all(s.reference_slot == (s.kind is ChunkKind.N) for s in plan.steps)
+    assert steps["I0"] == next(s for s in ChunkPlan(40, 16, 4, 4).steps if s.name == "I0")  # I unchanged
+    assert not any(s.reference_slot for s in ChunkPlan(40, 16, 4, 4).steps)
     assert plan.key != ChunkPlan(40, 16, 4, 4).key  # a resume state never crosses the two
     assert [s.emission.frames for s in plan.steps if s.emission] == [
         s.emission.frames for s in ChunkPlan(40, 16, 4, 4).steps if s.emission]

@@ -74,7 +74,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
     vae = CausalVAE(p.vae).eval()
     torch.save(vae.state_dict(), d / "vae_final.pt")
-    paths = build_latent_cache(vae, d / "latents", num_clips=3, clip_frames=p.chunk_frames + p.context_frames,
+    paths = build_latent_cache(vae, d / "latents", num_clips=3, clip_frames=1 + p.chunk_frames + p.context_frames,
                                shard_clips=2, size=64)
     assert [q.name for q in paths] == ["shard_0000.pt", "shard_0001.pt"]
     return d
@@ -83,19 +83,40 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_latent_cache_layout_and_windows(cache: Path) -> None:
     p = small_preset()
     clips = LatentClips(cache / "latents")
-    assert clips.hr.shape == (3, 20, 8, 8, 8) and clips.ref.shape == (3, 8, 8, 8)
-    assert clips.audio.shape == (3, (20 + 4) * 640)
+    assert clips.hr.shape == (3, 21, 8, 8, 8) and clips.ref.shape == (3, 8, 8, 8)
+    assert clips.audio.shape == (3, (21 + 4) * 640)
+    assert p.reference_frame and p.lowres_factor == 2
     b = A2VBatcher(clips, p)
-    for kind, (t, known) in {"N": (20, 4), "N0": (16, 0), "I": (6, 2), "R": (17, 1)}.items():
+    # N: the reference slot + C context frames known; R: N_0 with the reference slot
+    for kind, (t, known) in {"N": (21, 5), "N0": (16, 0), "I": (6, 2), "R": (17, 1)}.items():
         batch = b.batch(step_generator(1, 0), kind, 2)
-        assert batch["x0"].shape == (2, 8, t, 2, 2)
+        assert batch["x0"].shape == (2, 8, t, 4, 4)
         assert batch["wave"].shape == (2, (t + 4) * 640)
         assert int(batch["known"][0].sum()) == known
+        if kind in ("N", "R"):  # known frames lead the window
+            assert bool(batch["known"][0, :known].all())
+    assert {b.draw_kind(step_generator(0, i)) for i in range(200)} == {"N", "I", "R"}  # what the plan runs
     i = b.batch(step_generator(1, 0), "I", 1)["known"][0]
     assert bool(i[0]) and bool(i[-1]) and not bool(i[1:-1].any())
-    r = b.batch(step_generator(1, 0), "R", 1)  # the reference's low-res latent is the known frame
-    ident = int((clips.ref == r["ref"][0]).flatten(1).all(dim=1).nonzero()[0])
-    assert torch.equal(r["x0"][0, :, 0], b.ref_lr[ident])
+    for kind in ("R", "N"):  # the reference's low-res latent is the first known frame, never corrupted
+        r = b.batch(step_generator(1, 0), kind, 1)
+        ident = int((clips.ref == r["ref"][0]).flatten(1).all(dim=1).nonzero()[0])
+        assert torch.equal(r["x0"][0, :, 0], b.ref_lr[ident]) and torch.equal(r["ctx"][0, :, 0], b.ref_lr[ident])
+        assert not torch.equal(r["ctx"][0, :, 1:], r["x0"][0, :, 1:])  # the context is corrupted
+
+
+def test_change_weights_favour_what_moves() -> None:
+    from models.training.train_a2v import change_weights
+
+    ref = torch.zeros(1, 8, 4, 4)
+    x = torch.zeros(1, 8, 2, 4, 4)
+    x[:, :, :, 1, 2] = 1.0  # one cell (the "mouth") differs from the reference in both frames
+    w = change_weights(x, ref)
+    assert w.shape == (1, 2, 4, 4)
+    assert float(w[0, 0, 1, 2]) == pytest.approx(10.0)  # capped
+    assert float(w[0, 0, 0, 0]) == pytest.approx(1.0)
+    still = change_weights(torch.zeros(1, 8, 2, 4, 4), ref)
+    assert torch.allclose(still, torch.ones_like(still))  # nothing moves: the plain loss
 
 
 def test_a2v_and_sr_train_resume_and_assemble(cache: Path) -> None:
@@ -128,6 +149,26 @@ def test_a2v_and_sr_train_resume_and_assemble(cache: Path) -> None:
     fresh = build_modules(p, seed=5)
     load_checkpoint(fresh, out)
     assert all(torch.equal(v, chained[k]) for k, v in fresh["vae"].state_dict().items())
+
+
+def test_reuse_vae_takes_weights_and_metadata_of_an_earlier_checkpoint(tmp_path: Path) -> None:
+    from models.checkpoint import save_checkpoint
+    from models.training.train_all import reuse_vae
+
+    p = small_preset()
+    mods = build_modules(p, seed=3)
+    save_checkpoint(mods, tmp_path / "old.safetensors",
+                    metadata={"preset": "tiny", "git_commit": "abc", "vae_steps": "7", "vae_chain_steps": "2"})
+    reuse_vae(p, tmp_path / "cache", tmp_path / "old.safetensors")
+    got = torch.load(tmp_path / "cache" / "vae_final.pt")
+    assert all(torch.equal(v, got[k]) for k, v in mods["vae"].state_dict().items())
+    import json
+    carried = json.loads((tmp_path / "cache" / "vae_reused.json").read_text())
+    assert carried["vae_steps"] == "7" and "vae_chain_steps" not in carried  # the chain is retrained
+    assert carried["vae_reused_from"] == "old.safetensors (git abc)"
+    save_checkpoint(mods, tmp_path / "other.safetensors", metadata={"preset": "14b"})
+    with pytest.raises(ValueError, match="preset '14b'"):
+        reuse_vae(p, tmp_path / "cache2", tmp_path / "other.safetensors")
 
 
 def test_stream_renderer_follows_the_chunk_plan() -> None:
