@@ -127,11 +127,16 @@ class KVSPreviewSink:
         self._session = session
         conn = self.client.connect(producer_start_s=self.producer_start_s,
                                    on_ack=lambda ev: self._acks.put((session, ev)))
-        conn.send(self._mkv.header())
-        for item in unacked.values():  # resend everything not yet persisted, in order
-            conn.send(item.cluster.data)
-        if end_body:
-            conn.end_body()
+        try:
+            conn.send(self._mkv.header())
+            for item in unacked.values():  # resend everything not yet persisted, in order
+                conn.send(item.cluster.data)
+            if end_body:
+                conn.end_body()
+        except PutMediaError:
+            # the service ended this session while we were still resending (an ERROR ack on an early
+            # fragment): the reader reports why, and the loop counts the attempt and reconnects
+            pass
         return conn
 
     def _close_conn(self, conn: PutMediaConnection | None) -> None:
