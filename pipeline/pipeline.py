@@ -35,6 +35,7 @@ from pipeline import ports as P
 from pipeline.errors import CancelledError, PipelineBuildError
 from pipeline.lane import Lane
 from pipeline.publish import Publisher
+from pipeline.request import RenderProgress
 from pipeline.schedule import ChunkKind, ChunkPlan, ChunkStep, Emission
 from pipeline.stage import Phase, Port, Scope, Stage, Values
 from pipeline.stages.common import Timings
@@ -43,17 +44,6 @@ from pipeline.state import RollingState
 log = logging.getLogger(__name__)
 
 Mode = Literal["streaming", "batch"]
-
-
-@dataclass(frozen=True)
-class ChunkEvent:
-    """Reported after each published emission (streaming) or at the end (batch)."""
-
-    emission_index: int
-    num_emissions: int
-    frames_done: int
-    num_frames: int
-    elapsed_s: float
 
 
 @dataclass(frozen=True)
@@ -113,7 +103,7 @@ class Pipeline:
         publisher: Publisher,
         mode: Mode = "streaming",
         should_cancel: Callable[[], bool] | None = None,
-        on_chunk: Callable[[ChunkEvent], None] | None = None,
+        on_chunk: Callable[[RenderProgress], None] | None = None,
         overlap_emissions: bool = False,
     ) -> None:
         """Run ``plan`` from ``state.next_step`` on. ``on_chunk`` is called on this thread, in order,
@@ -131,7 +121,7 @@ class Pipeline:
                 stage.setup(values)
 
         held: list[torch.Tensor] = []  # batch mode only: every emission's latents, in order
-        events: deque[ChunkEvent] = deque()  # published emissions not yet reported to on_chunk
+        events: deque[RenderProgress] = deque()  # published emissions not yet reported to on_chunk
 
         def report() -> None:
             while events:
@@ -141,7 +131,7 @@ class Pipeline:
 
         def emit(vals: Values, work: _EmissionWork) -> None:
             self._emit(vals, work, plan, publisher)
-            events.append(ChunkEvent(work.emission.index, plan.num_emissions, work.emission.frames.stop,
+            events.append(RenderProgress(work.emission.index, plan.num_emissions, work.emission.frames.stop,
                                      plan.num_frames, time.perf_counter() - t_start))
 
         lane: Lane[_EmissionWork] | None = None
@@ -179,7 +169,7 @@ class Pipeline:
                 lane.finish(ok=True)  # every emission published (raises the lane's error, if any)
             if mode == "batch":
                 self._emit_batch(values, state, plan, publisher, held)
-                events.append(ChunkEvent(plan.num_emissions - 1, plan.num_emissions, plan.num_frames,
+                events.append(RenderProgress(plan.num_emissions - 1, plan.num_emissions, plan.num_frames,
                                          plan.num_frames, time.perf_counter() - t_start))
             report()  # before the sinks finish: a callback that raises still fails the render
             ok = True

@@ -21,7 +21,7 @@ from pipeline.family import AvatarFamily, get_family
 from pipeline.host import peak_rss_bytes
 from pipeline.inputs import AudioSource, load_reference_image
 from pipeline.media_types import FrameSink
-from pipeline.pipeline import ChunkEvent, Mode
+from pipeline.pipeline import Mode
 from pipeline.publish import Publisher
 from pipeline.request import RenderProgress, RenderRequest, RenderResult
 from pipeline.schedule import ChunkPlan, PlanError, frames_for_audio
@@ -90,16 +90,11 @@ def render(
                                   if state.next_emission < plan.num_emissions else plan.num_frames)
         publisher = Publisher(encoder, sinks, asynchronous=mode == "streaming", frame_tap=frame_tap)
 
-        def report(event: ChunkEvent) -> None:
-            if on_progress is not None:
-                on_progress(RenderProgress(event.emission_index, event.num_emissions, event.frames_done,
-                                           event.num_frames, event.elapsed_s))
-
         family.timings.reset()
         family.pipeline.run(
             job_values={P.REFERENCE_RGB: reference, P.AUDIO: audio, P.TEXT: request.text, P.SEED: request.seed},
             plan=plan, state=state, publisher=publisher, mode=mode, should_cancel=should_cancel,
-            on_chunk=report, overlap_emissions=family.overlap_emissions,
+            on_chunk=on_progress, overlap_emissions=family.overlap_emissions,
         )
     wall = time.perf_counter() - t0
     first = publisher.first_fragment_at

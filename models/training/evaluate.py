@@ -5,9 +5,10 @@ Who calls what: ``python -m bench.quality --json --render-fn models.training.eva
 calls :func:`render_for_quality` twice (with and without I chunks). It runs the same modules, plan
 (``pipeline.schedule.ChunkPlan``, reference slots included), audio windows, known-frame handling and
 SR/decode order as the pipeline's stages, in-process and without the MP4 encoder, so a 10-minute
-score costs only model time. Importing ``pipeline.schedule`` is the only framework dependency (pure
-arithmetic, no torch state). ``bench.quality``'s default render-fn is the real pipeline
-(``bench/quality_render.py``); this one exists to score checkpoints fast while training.
+score costs only model time. It takes the plan from ``pipeline.schedule`` and the known frames and
+(guided) velocity from the A2V stage's own ``known_latents`` / ``velocity_fn``, so the two cannot
+drift apart. ``bench.quality``'s default render-fn is the real pipeline (``bench/quality_render.py``);
+this one exists to score checkpoints fast while training.
 ``LONGTAKE_EVAL_CHECKPOINT`` overrides the checkpoint (default models/checkpoints/tiny.safetensors).
 """
 
@@ -26,6 +27,7 @@ from models.presets import ModelPreset, get_preset
 from models.sampler import FlowMatchEulerSampler
 from models.training.common import REPO_ROOT
 from pipeline.schedule import ChunkKind, ChunkPlan
+from pipeline.stages.a2v import known_latents, velocity_fn
 
 
 class StreamRenderer:
@@ -62,34 +64,15 @@ class StreamRenderer:
             if hi > lo:
                 seg[lo - s0 : hi - s0] = wave[lo:hi]
             feats = m["audio"](seg[None], len(win))
-            g = p.audio_guidance
-            if g != 1.0:  # as the A2V stage: one forward over [audio, silence]
-                feats = torch.cat([feats, m["audio"](torch.zeros_like(seg)[None], len(win))])
+            silent = m["audio"](torch.zeros_like(seg)[None], len(win)) if p.audio_guidance != 1.0 else None
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + win.start * 3 + (step.kind is ChunkKind.I))
             noise = torch.randn((1, p.latent_channels, len(win), h, w), generator=gen)
             known_BT = torch.tensor([known_mask])
             known = torch.zeros_like(noise)
             if step.known:
-                parts = [ref_lr] if step.reference_slot else []
-                rest = len(step.known) - len(parts)
-                if rest and step.kind is ChunkKind.N:
-                    assert last_n is not None
-                    parts.append(last_n[:, :, -rest:])
-                elif rest:
-                    assert prev_last is not None and last_n is not None
-                    parts += [prev_last, last_n[:, :, e : e + 1]]
-                known[:, :, [i for i, k in enumerate(known_mask) if k]] = torch.cat(parts, dim=2)
-            fidx = torch.tensor([list(win)])
-
-            def velocity(x: torch.Tensor, t: torch.Tensor, fidx: torch.Tensor = fidx, known_BT: torch.Tensor = known_BT,
-                         feats: torch.Tensor = feats, g: float = g) -> torch.Tensor:
-                if g == 1.0:
-                    return m["a2v"](x, t.reshape(1), known_BT, fidx, ref_z, feats, context=ctx)
-                two = (ctx[0].expand(2, -1, -1), None if ctx[1] is None else ctx[1].expand(2, -1))
-                v_audio, v_silent = m["a2v"](x.expand(2, -1, -1, -1, -1), t.reshape(1).expand(2), known_BT.expand(2, -1),
-                                             fidx.expand(2, -1), ref_z.expand(2, -1, -1, -1), feats, context=two).chunk(2)
-                return v_silent + g * (v_audio - v_silent)
-
+                known[:, :, known_BT[0]] = known_latents(step, ref_lr, last_n, prev_last)
+            velocity = velocity_fn(m["a2v"], known_BT, torch.tensor([list(win)]), ref_z, feats, ctx, silent,
+                                   p.audio_guidance)
             x0 = self.sampler.sample(velocity, noise, known, known_BT)
             g0 = step.generate.start - win.start
             gen_lat = x0[:, :, g0 : g0 + len(step.generate)]

@@ -13,6 +13,8 @@ training; the guidance amplifies what the audio changes — the mouth.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pipeline import ports as P
@@ -53,51 +55,62 @@ class A2VStage(Stage):
         known_BT = torch.tensor([step.known_mask()], dtype=torch.bool)
         known = torch.zeros_like(noise)
         if step.known:
-            positions = [i for i, is_known in enumerate(step.known_mask()) if is_known]
-            known[:, :, positions] = self._known_latents(step, values).to(noise.dtype)
+            state = values.get(P.ROLLING)
+            known[:, :, known_BT[0]] = known_latents(step, values.get(P.REF_LOWRES), state.last_n,
+                                                     state.prev_last).to(noise.dtype)
         frame_index_BT = torch.tensor([list(step.window)], dtype=torch.long)
-        ref, audio = values.get(P.REF_LATENT), values.get(P.AUDIO_FEATS)
-        context = values.get(P.A2V_CONTEXT)
-        dit = self.dit.get()
-        g = self.audio_guidance
-        silent = values.get_optional(P.AUDIO_FEATS_SILENT) if g != 1.0 else None
-        if g != 1.0 and silent is None:
-            raise RuntimeError("audio guidance needs the context stage's silence features (silence_features=True)")
-        # the DiT's batch: [audio] alone, or [audio, silence] in one forward (audio guidance)
-        nb = 1 if silent is None else 2
-        audio_nb = audio if silent is None else torch.cat([audio, silent])
-        known_nb, index_nb = known_BT.expand(nb, -1), frame_index_BT.expand(nb, -1)
-        ref_nb = ref.expand(nb, *ref.shape[1:])
-        tokens, mask = context
-        context_nb = (tokens.expand(nb, *tokens.shape[1:]), None if mask is None else mask.expand(nb, -1))
-
-        def velocity(x_BCThw: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            t_B = t.reshape(-1)[:1].expand(nb).to(x_BCThw.dtype)
-            v = dit(x_BCThw.expand(nb, *x_BCThw.shape[1:]), t_B, known_nb, index_nb, ref_nb, audio_nb, context=context_nb)
-            if silent is None:
-                return v  # type: ignore[no-any-return]
-            v_audio, v_silent = v.chunk(2)
-            return v_silent + g * (v_audio - v_silent)  # type: ignore[no-any-return]
-
+        silent = values.get_optional(P.AUDIO_FEATS_SILENT) if self.audio_guidance != 1.0 else None
+        velocity = velocity_fn(self.dit.get(), known_BT, frame_index_BT, values.get(P.REF_LATENT),
+                               values.get(P.AUDIO_FEATS), values.get(P.A2V_CONTEXT), silent, self.audio_guidance)
         with self.timings.model("a2v"):
             x0 = self.sampler.sample(velocity, noise, known, known_BT)  # type: ignore[attr-defined]
         g0 = step.generate.start - step.window.start
         values.put(P.STEP_LATENTS, x0[:, :, g0 : g0 + len(step.generate)].contiguous())
 
-    @staticmethod
-    def _known_latents(step: ChunkStep, values: Values) -> torch.Tensor:
-        """The known frames of the step's window, in window order."""
-        parts = [values.get(P.REF_LOWRES)] if step.reference_slot else []  # ChunkPlan.reference_frame
-        from_state = len(step.known) - len(parts)
-        if from_state:
-            state = values.get(P.ROLLING)
-            if state.last_n is None:
-                raise RuntimeError(f"{step.name} needs the previous N chunk but the rolling state has none")
-            if step.kind is ChunkKind.N:
-                parts.append(state.last_n[:, :, -from_state:])
-            else:
-                if state.prev_last is None:
-                    raise RuntimeError(f"{step.name} needs its left anchor but the rolling state has none")
-                e = len(step.generate)
-                parts += [state.prev_last, state.last_n[:, :, e : e + 1]]
-        return torch.cat(parts, dim=2)
+
+def known_latents(step: ChunkStep, ref_lowres: torch.Tensor, last_n: torch.Tensor | None,
+                  prev_last: torch.Tensor | None) -> torch.Tensor:
+    """The known frames of the step's window, in window order: the reference slot (with
+    ``ChunkPlan.reference_frame``), then the context of an N chunk or the two anchors of an I chunk."""
+    parts = [ref_lowres] if step.reference_slot else []
+    from_state = len(step.known) - len(parts)
+    if from_state:
+        if last_n is None:
+            raise RuntimeError(f"{step.name} needs the previous N chunk but the rolling state has none")
+        if step.kind is ChunkKind.N:
+            parts.append(last_n[:, :, -from_state:])
+        else:
+            if prev_last is None:
+                raise RuntimeError(f"{step.name} needs its left anchor but the rolling state has none")
+            e = len(step.generate)
+            parts += [prev_last, last_n[:, :, e : e + 1]]
+    return torch.cat(parts, dim=2)
+
+
+def velocity_fn(dit: object, known_BT: torch.Tensor, frame_index_BT: torch.Tensor, ref: torch.Tensor,
+                audio: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor | None],
+                silent: torch.Tensor | None = None, guidance: float = 1.0,
+                ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The sampler's ``velocity(x, t)`` for one window; with ``guidance`` != 1 the DiT runs once over
+    the batch [audio, silence] and returns ``v(silence) + guidance * (v(audio) - v(silence))``."""
+    if guidance != 1.0 and silent is None:
+        raise RuntimeError("audio guidance needs the context stage's silence features (silence_features=True)")
+    if guidance == 1.0:
+        silent = None
+    nb = 1 if silent is None else 2
+    audio_nb = audio if silent is None else torch.cat([audio, silent])
+    known_nb, index_nb = known_BT.expand(nb, -1), frame_index_BT.expand(nb, -1)
+    ref_nb = ref.expand(nb, *ref.shape[1:])
+    tokens, mask = context
+    context_nb = (tokens.expand(nb, *tokens.shape[1:]), None if mask is None else mask.expand(nb, -1))
+
+    def velocity(x_BCThw: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        t_B = t.reshape(-1)[:1].expand(nb).to(x_BCThw.dtype)
+        v: torch.Tensor = dit(x_BCThw.expand(nb, *x_BCThw.shape[1:]), t_B, known_nb, index_nb,  # type: ignore[operator]
+                              ref_nb, audio_nb, context=context_nb)
+        if silent is None:
+            return v
+        v_audio, v_silent = v.chunk(2)
+        return v_silent + guidance * (v_audio - v_silent)
+
+    return velocity
