@@ -50,6 +50,12 @@ QUEUE_WAIT = Histogram(
 )
 BUSY = Gauge("longtake_worker_busy", "1 while this worker process runs a job")
 REAPED = Counter("longtake_leases_reaped", "Expired leases the reaper requeued")
+STALLS = Counter(
+    "longtake_render_stalls",
+    "Renders that sent nothing for progress_timeout_s, by what was done: ranks_killed (the render "
+    "was stopped and retried) or lease_released (the worker itself was stuck; heartbeats stopped)",
+    ["action"],
+)
 
 _server_lock = threading.Lock()
 _server_port: int | None = None

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pipeline.errors import RenderError
 from pipeline.media_types import Fragment, FrameSink, InitSegment
+from worker import metrics
 
 if TYPE_CHECKING:  # torch is imported only where the engine is used, never by the Celery parent
     from pathlib import Path
@@ -137,6 +138,11 @@ def _children_allowed() -> Iterator[None]:
 class _StopOverdue(Exception):
     """Raised from ``should_cancel`` when the render ignored a stop for ``cancel_grace_s``: the
     engine then kills its ranks (see ``NodeEngine.run``)."""
+
+
+class _Stalled(Exception):
+    """Raised from ``should_cancel`` when the ranks sent nothing for ``progress_timeout_s``: the
+    engine kills them and the attempt ends retryable (``render_stalled``)."""
 
 
 class _Relay:
@@ -252,15 +258,34 @@ class NodeExecutor:
         on_progress: Callable[[dict[str, Any]], None] | None = None,
         on_fragment: Callable[[Fragment], None] | None = None,
         cancel_grace_s: float = 10.0,
+        progress_timeout_s: float = 900.0,
         timeout_s: float | None = None,
         poll_s: float = 0.1,
     ) -> RenderOutcome:
-        """Render ``job`` into ``sinks`` on the ranks; never raises for render/sink/rank failures."""
+        """Render ``job`` into ``sinks`` on the ranks; never raises for render/sink/rank failures.
+
+        Every event from the ranks counts as a sign of life; ``progress_timeout_s`` without one
+        (a rank deadlocked, a collective that never returns) kills the ranks and ends the attempt
+        as retryable ``render_stalled``.
+        """
         relay = _Relay(sinks, on_progress, on_fragment)
         stop: list[str] = []
         stop_at: list[float] = []
+        last_event = [time.monotonic()]
+
+        def on_event(event: object) -> None:
+            last_event[0] = time.monotonic()
+            relay.on_event(event)
 
         def should_cancel() -> bool:
+            silent_s = time.monotonic() - last_event[0]
+            if silent_s > progress_timeout_s:
+                raise _Stalled(
+                    f"the render sent nothing (no progress, no fragment) for {silent_s:.0f} s, more than "
+                    f"progress_timeout_s={progress_timeout_s:g}; its ranks {self.pids} were killed and the "
+                    "job resumes from its last committed segment (raise LONGTAKE_PROGRESS_TIMEOUT_S if "
+                    "one chunk of this model legitimately takes longer)"
+                )
             if not stop:
                 reason = stop_reason()
                 if reason is not None:
@@ -282,7 +307,7 @@ class NodeExecutor:
                     RANK_JOB,
                     job.payload(),
                     timeout_s=timeout_s,
-                    on_event=relay.on_event,
+                    on_event=on_event,
                     should_cancel=should_cancel,
                     poll_s=poll_s,
                 )
@@ -307,6 +332,10 @@ class NodeExecutor:
         except _StopOverdue as exc:
             log.warning("%s", exc)
             outcome = RenderOutcome(status="cancelled", code="cancelled", message=str(exc))
+        except _Stalled as exc:
+            log.error("%s", exc)
+            metrics.STALLS.labels("ranks_killed").inc()
+            outcome = RenderOutcome(status="failed", code="render_stalled", message=str(exc), retryable=True)
         except RenderError as exc:  # from the ranks (original type) or the engine (rank died, ...)
             if exc.code == "cancelled":
                 outcome = RenderOutcome(status="cancelled", code="cancelled", message=str(exc))
@@ -315,7 +344,7 @@ class NodeExecutor:
                     status="failed", code=exc.code, message=str(exc), retryable=exc.retryable
                 )
         except Exception as exc:  # a real sink failed (upload, lease lost during a commit)
-            log.error("sink failed: %s; the render was stopped", exc)
+            log.exception("sink failed: %s; the render was stopped", exc)
             outcome = RenderOutcome(
                 status="failed",
                 code=str(getattr(exc, "code", "sink_error")),

@@ -113,6 +113,15 @@ class Settings(BaseSettings):
     cancel_poll_s: float = Field(
         default=1.0, gt=0, description="How often a running job's cancel flag is read"
     )
+    progress_timeout_s: float = Field(
+        default=900.0,
+        gt=0,
+        description="A render that sends nothing (no progress, no fragment) for this long is stalled: "
+        "its ranks are killed and the attempt is retried ('render_stalled'). If the worker itself is "
+        "stuck (a sink that never returns), its lease keeper stops heartbeating once another "
+        "cancel_grace_s + lease_s have passed, so the reaper hands the job to another worker. Must "
+        "exceed the slowest chunk, the first one's model loading included",
+    )
 
     # --- rendering ----------------------------------------------------------------------------
     render_entry: str = Field(

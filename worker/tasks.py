@@ -179,22 +179,45 @@ class LeaseKeeper(threading.Thread):
 
     A DB outage longer than the store's retries is logged and retried on the next tick: the lease
     stays ours as long as the database comes back before it expires.
+
+    Heartbeats prove that this process is alive, not that the render moves: when nothing has been
+    heard from the render for ``stall_s`` (``alive`` is called on every fragment and progress
+    record), the keeper stops heartbeating and lets the lease expire, so the reaper hands the job to
+    another worker and this one's late commits are fenced. The render thread normally acts first
+    (``NodeExecutor.run`` kills stalled ranks after ``progress_timeout_s``); this covers a render
+    thread that is itself stuck, e.g. in a sink call that never returns.
     """
 
-    def __init__(self, store: JobStore, lease: Lease, *, heartbeat_s: float, cancel_poll_s: float) -> None:
+    def __init__(
+        self,
+        store: JobStore,
+        lease: Lease,
+        *,
+        heartbeat_s: float,
+        cancel_poll_s: float,
+        stall_s: float = float("inf"),
+    ) -> None:
         super().__init__(name=f"lease-{lease.job_id[:8]}", daemon=True)
         self.store = store
         self.lease = lease
         self.heartbeat_s = heartbeat_s
         self.cancel_poll_s = cancel_poll_s
+        self.stall_s = stall_s
         self.progress: Progress | None = None
         self.lease_lost = False
+        self.stalled = False
         self.cancel = False
+        self.last_alive = time.monotonic()
         self._halt = threading.Event()
         self._wake = threading.Event()
 
+    def alive(self) -> None:
+        """The render produced something (a fragment, a progress record): it is not stalled."""
+        self.last_alive = time.monotonic()
+
     def report(self, progress: Progress) -> None:
         """Called per chunk: record it now rather than at the next heartbeat."""
+        self.alive()
         self.progress = progress
         self._wake.set()
 
@@ -216,6 +239,17 @@ class LeaseKeeper(threading.Thread):
                 if self._halt.is_set():
                     return
                 now = time.monotonic()
+                if now - self.last_alive > self.stall_s:
+                    log.error(
+                        "no fragment or progress from the render for %.0f s (stall bound %.0f s): "
+                        "heartbeats stop so the lease expires and the reaper hands the job to another "
+                        "worker; this worker is stuck (see its stack with py-spy) and needs a restart",
+                        now - self.last_alive,
+                        self.stall_s,
+                    )
+                    metrics.STALLS.labels("lease_released").inc()
+                    self.stalled = self.lease_lost = True
+                    return
                 try:
                     if woken or now >= next_beat:
                         if not self.store.heartbeat(self.lease, progress=self.progress):
@@ -362,12 +396,20 @@ class JobWorker:
         resume_state: bytes | None,
     ) -> RenderOutcome:
         s = self.settings
-        keeper = LeaseKeeper(self.store, lease, heartbeat_s=s.heartbeat_s, cancel_poll_s=s.cancel_poll_s)
+        keeper = LeaseKeeper(
+            self.store,
+            lease,
+            heartbeat_s=s.heartbeat_s,
+            cancel_poll_s=s.cancel_poll_s,
+            # the render thread's own watchdog (progress_timeout_s, then the kill) acts first
+            stall_s=s.progress_timeout_s + s.cancel_grace_s + s.lease_s,
+        )
         claimed_at = time.monotonic()
         first_fragment_at: list[float] = []
         last_chunk_at = [claimed_at]
 
         def on_fragment(frag: Fragment) -> None:
+            keeper.alive()
             now = time.monotonic()
             set_chunk(frag.index)
             if not first_fragment_at:
@@ -408,6 +450,7 @@ class JobWorker:
                 on_progress=on_progress,
                 on_fragment=on_fragment,
                 cancel_grace_s=s.cancel_grace_s,
+                progress_timeout_s=s.progress_timeout_s,
                 timeout_s=s.max_job_s,
             )
         finally:

@@ -18,6 +18,9 @@ Failures:
 * a rank process dies (killed, segfault, OOM killer): ``run`` raises :class:`RankDiedError` naming the
   rank, its pid and exit code; the group is torn down and restarted at the next ``run``.
 * the job exceeds ``timeout_s``: :class:`JobTimeoutError` naming the ranks still running; restart.
+* a rank sends something that is not a protocol message (a torn pickle, a foreign object):
+  :class:`RankProtocolError` (retryable) with the reader's traceback, at once; the ranks are killed
+  (they may still be inside the job) and restart at the next ``run``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import os
 import pickle
 import signal
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -34,7 +38,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event as MpEvent
 from types import TracebackType
-from typing import cast
+from typing import NoReturn, cast
 
 import torch.distributed as dist
 import torch.multiprocessing as tmp
@@ -59,6 +63,14 @@ class JobFailedError(RenderError):
     """The job raised on a rank (an exception that is not a RenderError, or a partial failure)."""
 
     code = "job_failed"
+
+
+class RankProtocolError(RenderError):
+    """A rank sent something that is not a message of the protocol (a torn or foreign pickle). The
+    ranks' state is unknown (they may still be rendering), so they are killed; the job may retry."""
+
+    code = "rank_protocol"
+    retryable = True
 
 
 class JobTimeoutError(RenderError):
@@ -127,6 +139,25 @@ def _describe_exit(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code} (exit code {code})"
     return f"exited with code {code}"
+
+
+_MESSAGE_ARITY = {"ready": 3, "fatal": 3, "event": 3, "done": 5, "error": 4}
+
+
+def _checked(rank: int, message: object) -> tuple[object, ...]:
+    """``message`` if it has the shape of a rank message (module docstring of ``rank``), else raise."""
+    if (
+        not isinstance(message, tuple)
+        or not message
+        or _MESSAGE_ARITY.get(str(message[0])) != len(message)
+    ):
+        raise TypeError(f"unknown message from rank {rank}: {_describe(message)}")
+    return message
+
+
+def _describe(obj: object, limit: int = 120) -> str:
+    text = repr(obj)
+    return text if len(text) <= limit else f"{text[:limit]}... ({type(obj).__name__})"
 
 
 def job_path(job: JobFn | str) -> str:
@@ -388,6 +419,20 @@ class NodeEngine:
         )
         raise RankDiedError(f"rank {rank} (pid {proc.pid}) {reason} {when}; {consequence}")
 
+    def _fail_protocol(self, rank: int, what: str, exc: Exception) -> NoReturn:
+        """The pipe from ``rank`` carried something that is not a message. Nothing after it can be
+        trusted (the stream may be torn mid-message) and the ranks may still be running the job, so
+        they are killed; the next job starts a fresh group."""
+        pids = self.pids
+        self._teardown()
+        trace = "".join(traceback.format_exception(exc))
+        logger.error("rank %d sent a corrupt message during %s; ranks %s killed\n%s", rank, what, pids, trace)
+        raise RankProtocolError(
+            f"rank {rank} sent a message the engine cannot read during {what} "
+            f"({type(exc).__name__}: {exc}); its ranks {pids} were killed and restart at the next job "
+            f"(the job may retry)\n{trace}"
+        ) from exc
+
     def _receive(
         self, deadline: float, what: str, *, job_id: int | None = None
     ) -> list[tuple[int, tuple[object, ...]]]:
@@ -404,11 +449,14 @@ class NodeEngine:
         for item in ready:
             if item in by_conn:
                 conn = item  # type: ignore[assignment]
+                rank = by_conn[conn]
                 try:
                     while conn.poll():
-                        out.append((by_conn[conn], conn.recv()))
+                        out.append((rank, _checked(rank, conn.recv())))
                 except (EOFError, OSError):
                     continue  # the pipe closed: the sentinel of that rank tells why
+                except Exception as exc:  # bytes that do not unpickle, or not a protocol message
+                    self._fail_protocol(rank, what, exc)
         # A rank exits only when told to stop: any exit here is a death. Messages read in the same
         # round no longer matter (the job or the start fails either way).
         if any(message[0] == "fatal" for _, message in out):

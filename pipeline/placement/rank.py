@@ -11,6 +11,12 @@ Messages (parent <- rank): ("ready", rank, info) | ("fatal", rank, text) once at
 ("event", job_id, obj) any number of times during a job (rank 0 publishing); ("done", job_id, rank,
 value, report) | ("error", job_id, rank, error) once per job. Parent -> rank: ("job", job_id, path,
 payload) | ("stop",).
+
+Every message a rank sends goes through its :class:`RankOutbox`, one lock around the pipe: rank 0
+publishes from more than one thread (the render loop's progress, the publisher lane's fragments), and
+``Connection.send`` writes a large message in several ``write`` calls, so two unsynchronised senders
+interleave their bytes and the engine reads garbage (it then kills the ranks: see
+``NodeEngine._receive``).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler as _ForkingPickler
 from multiprocessing.synchronize import Event as MpEvent
 
 import torch
@@ -40,6 +47,23 @@ from pipeline.placement.numa import NumaBinding, bind_numa
 from pipeline.placement.parking import ModelParker
 
 logger = logging.getLogger(__name__)
+
+
+class RankOutbox:
+    """The rank's end of its pipe to the engine, safe to send on from any thread (one lock).
+
+    Who calls: :meth:`RankContext.publish` (any thread of rank 0's job) and the rank's serve loop
+    (ready, done, error). Nothing is kept after ``send`` returns.
+    """
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, message: tuple[object, ...]) -> None:
+        data = _ForkingPickler.dumps(message)  # pickled outside the lock: only the write is serialised
+        with self._lock:
+            self.conn.send_bytes(data)
 
 
 @dataclass
@@ -60,7 +84,7 @@ class RankContext:
     parker: ModelParker
     modules: dict[str, nn.Module] = field(default_factory=dict)
     job_id: int = 0
-    _conn: Connection | None = None
+    _outbox: RankOutbox | None = None
     _cancel: MpEvent | None = None
 
     @property
@@ -69,12 +93,13 @@ class RankContext:
         return self.rank == 0
 
     def publish(self, event: object) -> None:
-        """Send ``event`` (picklable) to the caller's ``on_event`` now, in order. Rank 0 only."""
+        """Send ``event`` (picklable) to the caller's ``on_event`` now. Rank 0 only; any thread (events
+        of one thread arrive in that thread's order)."""
         if not self.is_publisher:
             raise RuntimeError(f"rank {self.rank} called publish(); only rank 0 publishes (ctx.is_publisher)")
-        if self._conn is None:
+        if self._outbox is None:
             raise RuntimeError("publish() outside a job: the context has no connection to the engine")
-        self._conn.send(("event", self.job_id, event))
+        self._outbox.send(("event", self.job_id, event))
 
     def cancel_requested(self) -> bool:
         """True once the caller asked to cancel this job (poll between chunks, then raise)."""
@@ -196,6 +221,7 @@ def die_with_parent(parent_pid: int) -> None:
 def rank_main(rank: int, spec: RankSpec, conn: Connection, cancel: MpEvent) -> None:
     """Entry point of a spawned rank process (see the module docstring for the message protocol)."""
     die_with_parent(spec.parent_pid)
+    outbox = RankOutbox(conn)
     logging.basicConfig(level=os.environ.get("LONGTAKE_LOG_LEVEL", "WARNING"))
     torch.set_num_threads(spec.threads_per_rank)
     device_index = rank if spec.device_type == "cuda" else None
@@ -234,22 +260,22 @@ def rank_main(rank: int, spec: RankSpec, conn: Connection, cancel: MpEvent) -> N
                 )
             ctx.modules[name] = module
     except BaseException as exc:
-        conn.send(("fatal", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        outbox.send(("fatal", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise
-    conn.send(("ready", rank, {"numa": numa.reason, "cpus": list(numa.cpus), "device": str(device)}))
+    outbox.send(("ready", rank, {"numa": numa.reason, "cpus": list(numa.cpus), "device": str(device)}))
     try:
-        _serve(ctx, conn, cancel)
+        _serve(ctx, outbox, cancel)
     finally:
         dist.destroy_process_group()
 
 
-def _serve(ctx: RankContext, conn: Connection, cancel: MpEvent) -> None:
+def _serve(ctx: RankContext, outbox: RankOutbox, cancel: MpEvent) -> None:
     while True:
-        message = conn.recv()
+        message = outbox.conn.recv()
         if message[0] == "stop":
             return
         _, job_id, path, payload = message
-        ctx.job_id, ctx._conn, ctx._cancel = job_id, conn, cancel
+        ctx.job_id, ctx._outbox, ctx._cancel = job_id, outbox, cancel
         _reset_peak(ctx.device)
         start = time.perf_counter()
         try:
@@ -259,12 +285,12 @@ def _serve(ctx: RankContext, conn: Connection, cancel: MpEvent) -> None:
             for module in ctx.modules.values():
                 reset_after_failure(module)
             error = RankError(ctx.rank, type(exc).__name__, str(exc), traceback.format_exc(), _pickled(exc))
-            conn.send(("error", job_id, ctx.rank, error))
+            outbox.send(("error", job_id, ctx.rank, error))
             continue
         finally:
-            ctx._conn = None
+            ctx._outbox = None
         if ctx.device.type == "cuda":  # GPU-only: the job's kernels belong to its wall time
             torch.cuda.synchronize(ctx.device)
         peak, kind = _peak(ctx.device)
         report = RankReport(ctx.rank, time.perf_counter() - start, peak, kind)
-        conn.send(("done", job_id, ctx.rank, value if ctx.is_publisher else None, report))
+        outbox.send(("done", job_id, ctx.rank, value if ctx.is_publisher else None, report))

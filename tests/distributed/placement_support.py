@@ -287,3 +287,43 @@ def job_relay_fragments(ctx: RankContext, payload: Mapping[str, object]) -> int:
         time.sleep(0.05)
     sink.close(ok=True)
     return count
+
+
+def job_publish_from_threads(ctx: RankContext, payload: Mapping[str, object]) -> int:
+    """Rank 0 publishes from several threads at once, as the render loop (progress) and its
+    publisher lane (fragments) do: each event is (thread, seq, bytes of one value)."""
+    import threading
+
+    threads, events, size = int(payload["threads"]), int(payload["events"]), int(payload["size"])  # type: ignore[call-overload]
+    if not ctx.is_publisher:
+        return 0
+
+    def publish(t: int) -> None:
+        for seq in range(events):
+            ctx.publish((t, seq, bytes([(t * 31 + seq) % 256]) * size))
+
+    workers = [threading.Thread(target=publish, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return threads * events
+
+
+def job_send_garbage(ctx: RankContext, payload: Mapping[str, object]) -> str:
+    """Write bytes that are no pickle onto the rank's pipe (a torn message), then keep running as
+    the old bug's rank did, so only the engine's reaction can end the job."""
+    if ctx.is_publisher:
+        assert ctx._outbox is not None
+        ctx._outbox.conn.send_bytes(b"\x00\x00garbage, not a pickle")
+    time.sleep(float(payload.get("sleep_s", 60.0)))  # type: ignore[arg-type]
+    return "finished"
+
+
+def job_send_unknown_message(ctx: RankContext, payload: Mapping[str, object]) -> str:
+    """A well-formed pickle that is not a message of the protocol."""
+    if ctx.is_publisher:
+        assert ctx._outbox is not None
+        ctx._outbox.conn.send({"not": "a message"})
+    time.sleep(float(payload.get("sleep_s", 60.0)))  # type: ignore[arg-type]
+    return "finished"

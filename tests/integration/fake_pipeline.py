@@ -43,14 +43,38 @@ def write_plan(
     sleep_s: float,
     fail_at: int | None = None,
     fail_code: str | None = None,
+    hang_at: int | None = None,
+    hang_once: Path | None = None,
 ) -> Path:
-    """Write the JSON 'audio' file that drives the fake render."""
+    """Write the JSON 'audio' file that drives the fake render. ``hang_at``: before that fragment
+    the render goes silent for an hour (a deadlocked rank), only while the file ``hang_once`` does
+    not exist yet (it is created when the hang starts), so a retry runs through."""
     path.write_text(
         json.dumps(
-            {"num_fragments": num_fragments, "sleep_s": sleep_s, "fail_at": fail_at, "fail_code": fail_code}
+            {
+                "num_fragments": num_fragments,
+                "sleep_s": sleep_s,
+                "fail_at": fail_at,
+                "fail_code": fail_code,
+                "hang_at": hang_at,
+                "hang_once": str(hang_once) if hang_once else None,
+            }
         )
     )
     return path
+
+
+def _hang_once(marker: str | None) -> None:
+    """Sleep for an hour the first time ``marker`` is seen absent (creating it); else return."""
+    if marker is None:
+        return
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    time.sleep(3600)
 
 
 def init_segment(seed: int) -> InitSegment:
@@ -138,6 +162,8 @@ def render(
             if should_cancel is not None and should_cancel():
                 raise CancelledError(f"cancelled before fragment {i}")
             time.sleep(sleep_s)
+            if plan.get("hang_at") == i:
+                _hang_once(plan.get("hang_once"))
             if plan.get("fail_at") == i:
                 code = plan.get("fail_code") or "invalid_input"
                 err: RenderError = (
@@ -267,3 +293,32 @@ class LocalDelivery:
 
 def local_delivery(settings: Any, **kw: Any) -> LocalDelivery:
     return LocalDelivery(settings, **kw)
+
+
+class _HangingSink:
+    """Forwards to ``sink``, but its ``write`` of fragment ``index`` never returns (once)."""
+
+    def __init__(self, sink: FrameSink, index: int, marker: str) -> None:
+        self.sink, self.index, self.marker = sink, index, marker
+
+    def open(self, init: InitSegment) -> None:
+        self.sink.open(init)
+
+    def write(self, fragment: Fragment) -> None:
+        if fragment.index == self.index:
+            _hang_once(self.marker)
+        self.sink.write(fragment)
+
+    def close(self, *, ok: bool) -> None:
+        self.sink.close(ok=ok)
+
+
+def hanging_delivery(settings: Any, **kw: Any) -> Any:
+    """The worker's real delivery whose sinks hang in ``write`` of one fragment, once:
+    ``$LONGTAKE_FAKE_SINK_HANG`` = ``"index:marker-path"`` (a stuck upload in the worker thread)."""
+    from worker.tasks import s3_delivery
+
+    delivery = s3_delivery(settings, **kw)
+    index, _, marker = os.environ["LONGTAKE_FAKE_SINK_HANG"].partition(":")
+    delivery.sinks = [_HangingSink(sink, int(index), marker) for sink in delivery.sinks]
+    return delivery

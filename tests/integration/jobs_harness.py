@@ -199,6 +199,7 @@ class JobsEnv:
         fail_at: int | None = None,
         fail_code: str | None = None,
         tenant: str = "t1",
+        hang_at: int | None = None,
     ) -> str:
         plan = fake_pipeline.write_plan(
             self.tmp / "in" / f"plan-{seed}.json",
@@ -206,6 +207,8 @@ class JobsEnv:
             sleep_s=sleep_s,
             fail_at=fail_at,
             fail_code=fail_code,
+            hang_at=hang_at,
+            hang_once=self.tmp / f"hang-{seed}" if hang_at is not None else None,
         )
         spec = JobSpec.model_validate(
             {"image": f"file://{self.tmp}/in/face.png", "audio": f"file://{plan}", "seed": seed},
