@@ -9,7 +9,7 @@ Each rank then calls every loader once at start; the modules stay warm in ``ctx.
 Two ways to build the weights: :func:`preset_loaders` uses ``models.checkpoint.build_modules(preset,
 seed)`` (benchmarks, placement tests); :func:`family_loaders` uses ``pipeline.family.family_modules``,
 the very construction of the single-process render (same seeds, same checkpoint loading), so a
-sharded render over them produces the single-process frames. ``render_entry_job`` needs the latter.
+sharded render over them produces the single-process frames. ``render_on_rank`` needs the latter.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ class FamilySource:
     parked: bool
 
 
-# name -> source of each module family_loaders built in this rank process (render_entry_job checks
+# name -> source of each module family_loaders built in this rank process (render_on_rank checks
 # that a request asks for the preset the rank holds). Written once per module at rank start.
 FAMILY_SOURCES: dict[str, FamilySource] = {}
 
