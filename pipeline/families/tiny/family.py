@@ -32,11 +32,11 @@ from models.vae import CausalVAE
 from pipeline.errors import InvalidInputError, ModuleLoadError
 from pipeline.module import Module
 from pipeline.pipeline import Pipeline
-from pipeline.stages.a2v import A2VStage
-from pipeline.stages.common import Timings
-from pipeline.stages.context import ContextStage
-from pipeline.stages.decode import DecodeStage
-from pipeline.stages.super_resolution import SRStage
+from pipeline.families.tiny.stages.a2v import A2VStage
+from pipeline.stage_common import Timings
+from pipeline.families.tiny.stages.context import ContextStage
+from pipeline.families.tiny.stages.decode import DecodeStage
+from pipeline.families.tiny.stages.super_resolution import SRStage
 
 CHECKPOINT_DIR = Path(__file__).resolve().parent.parent / "models" / "checkpoints"
 RANDOM_INIT_SEED = 20261129
