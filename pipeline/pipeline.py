@@ -38,7 +38,7 @@ from pipeline.publish import Publisher
 from pipeline.request import RenderProgress
 from pipeline.schedule import ChunkKind, ChunkPlan, ChunkStep, Emission
 from pipeline.stage import Phase, Port, Scope, Stage, Values
-from pipeline.stages.common import Timings
+from pipeline.stage_common import Timings
 from pipeline.state import RollingState
 
 log = logging.getLogger(__name__)

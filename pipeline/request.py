@@ -16,7 +16,8 @@ class RenderRequest:
     audio: Path
     text: str | None = None
     seed: int = 0
-    preset: str = "tiny"
+    family: str = "tiny"  # a name registered in pipeline.families.FAMILIES
+    preset: str = "tiny"  # one of the family's presets
     checkpoint: Path | None = None
     use_i_chunks: bool = True  # False renders the N-only baseline (for seam measurements)
 

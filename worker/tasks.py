@@ -393,6 +393,7 @@ class JobWorker:
             audio=str(audio),
             text=rec.spec.text,
             seed=rec.spec.seed,
+            family=rec.spec.family,
             preset=rec.spec.preset,
             checkpoint=str(s.checkpoint) if s.checkpoint else None,
             resume_state=resume_state,

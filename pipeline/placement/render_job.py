@@ -7,14 +7,15 @@ also provides ``RenderRequest``), builds the request from the payload and calls 
 engine's cancel flag as ``should_cancel`` and progress published as :class:`ProgressEvent`.
 
 Because a rank process lives across jobs, whatever the entry caches per process stays warm: with
-``pipeline.render`` that is the model family (:func:`pipeline.family.get_family`), built by the first
+``pipeline.render`` that is the model family (``pipeline.family_runtime.WARM_FAMILIES``), built by the first
 job and reused by every later one. :func:`warm_report` says, per job, how many modules were loaded
 during it (0 once warm), which the worker logs and the tests assert.
 
 Sharded renders: with ``shard`` true in the payload (default: ``world_size > 1``) every rank renders
-with the models the engine loaded once per rank (``EngineConfig(loaders=family_loaders(preset))``:
-A2V and SR FSDP2-sharded, the encoders whole) instead of its own unsharded family: the job wraps
-``ctx.modules`` in an ``AvatarFamily(loaded=..., on_use=parker.activate)`` and passes it to the entry
+with the models the engine loaded once per rank (``EngineConfig(loaders=family_loaders(family, preset))``:
+the family's plan, e.g. A2V and SR FSDP2-sharded, the encoders whole) instead of its own unsharded
+family: the job wraps ``ctx.modules`` in a ``FamilyRuntime(loaded=..., on_use=parker.activate)`` and
+passes it to the entry
 as ``family=``. Every rank runs the same steps with the same seeds (SPMD; the FSDP all-gathers pair
 up because every rank runs the same forwards in the same order), rank 0 publishes. ``shard=False``
 on several ranks makes each rank render alone with its own full models (only rank 0's output is
@@ -43,7 +44,7 @@ from pipeline.placement.rank import RankContext, resolve
 from pipeline.placement.relay import RelaySink
 
 if TYPE_CHECKING:  # imported when a sharded job runs: the parent only needs ProgressEvent from here
-    from pipeline.family import AvatarFamily
+    from pipeline.family_runtime import FamilyRuntime, WarmFamilies
 
 _PATH_FIELDS = ("image", "audio", "checkpoint")
 _jobs_served = 0  # render jobs this rank process has run (its warmth, for reports)
@@ -63,17 +64,14 @@ def _as_dict(obj: object) -> dict[str, object]:
 
 
 def loaded_modules() -> dict[str, float]:
-    """``"preset/module" -> load_s`` of every model loaded in this process by ``pipeline.family``
-    (empty when the entry does not use it, e.g. a test stand-in)."""
-    family_mod = sys.modules.get("pipeline.family")
-    if family_mod is None:
+    """``"family/preset/checkpoint/device/module" -> load_s`` of every model this process's warm
+    families (``pipeline.family_runtime.WARM_FAMILIES``) loaded; empty when the entry does not use
+    them (e.g. a test stand-in: the module is then never imported, so neither is torch's model code)."""
+    runtime_mod = sys.modules.get("pipeline.family_runtime")
+    if runtime_mod is None:
         return {}
-    out: dict[str, float] = {}
-    for key, family in list(family_mod._families.items()):
-        for name, module in family.modules.items():
-            if module.is_loaded:
-                out[f"{'/'.join(key)}/{name}"] = module.load_s
-    return out
+    warm: WarmFamilies = runtime_mod.WARM_FAMILIES
+    return warm.loaded_modules()
 
 
 def warm_report(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, object]:
@@ -88,30 +86,42 @@ def warm_report(before: Mapping[str, float], after: Mapping[str, float]) -> dict
     }
 
 
-def rank_family(ctx: RankContext, preset: str, checkpoint: Path | None) -> AvatarFamily:
-    """The family over this rank's engine-loaded modules (see the module docstring), for ``preset``.
+def rank_family(ctx: RankContext, family: str, preset: str, checkpoint: Path | None) -> FamilyRuntime:
+    """The family runtime over this rank's engine-loaded modules (see the module docstring).
 
-    Raises :class:`ModuleLoadError` when the engine was not configured with ``family_loaders`` for
-    this preset and checkpoint (the weights would differ from the single-process render's).
+    The family object comes with the modules (``FAMILY_SOURCES``, written by ``family_loaders``), so
+    this file names no family. Raises :class:`ModuleLoadError` when the engine was not configured with
+    ``family_loaders`` for this family, preset and checkpoint (the weights would differ from the
+    single-process render's).
     """
-    from pipeline.family import AvatarFamily, default_checkpoint, family_module_names, resolve_preset
+    from pipeline.family_runtime import FamilyRuntime
     from pipeline.placement.loaders import FAMILY_SOURCES
 
-    family_preset = resolve_preset(preset)
-    names = family_module_names(family_preset)
-    ckpt = checkpoint if checkpoint is not None else default_checkpoint(preset)
+    held = {src.family.name: src.family for src in FAMILY_SOURCES.values()}
+    model_family = held.get(family)
+    if model_family is None:
+        raise ModuleLoadError(
+            f"sharded render of family {family!r} on rank {ctx.rank}: the engine's modules are of "
+            f"{sorted(held) or 'no family'} (none loaded by family_loaders). Start the NodeEngine with "
+            f"EngineConfig(loaders=family_loaders(FAMILIES.get({family!r}), {preset!r}, checkpoint=...)) "
+            "for the family the jobs ask for, or send shard=False")
+    family_preset = model_family.preset(preset)
+    names = list(model_family.modules(family_preset, None))
+    ckpt = checkpoint if checkpoint is not None else model_family.default_checkpoint(family_preset)
     sources = {n: FAMILY_SOURCES.get(n) for n in names}
     wrong = {
         n: (None if src is None else (src.preset, str(src.checkpoint)))
         for n, src in sources.items()
-        if n not in ctx.modules or src is None or src.preset != preset or src.checkpoint != ckpt
+        if n not in ctx.modules or src is None or src.family.name != family or src.preset != preset
+        or src.checkpoint != ckpt
     }
     if wrong:
         raise ModuleLoadError(
             f"sharded render of preset {preset!r} (checkpoint {ckpt}) on rank {ctx.rank}: the engine's "
             f"modules do not match: {wrong} (module -> (preset, checkpoint) loaded, None: not loaded by "
-            f"family_loaders). Start the NodeEngine with EngineConfig(loaders=family_loaders({preset!r}, "
-            "checkpoint=...)) for the preset and checkpoint the jobs ask for, or send shard=False"
+            f"family_loaders). Start the NodeEngine with EngineConfig(loaders=family_loaders("
+            f"FAMILIES.get({family!r}), {preset!r}, checkpoint=...)) for the preset and checkpoint the "
+            "jobs ask for, or send shard=False"
         )
     parked = {n for n, src in sources.items() if src is not None and src.parked}
 
@@ -119,7 +129,8 @@ def rank_family(ctx: RankContext, preset: str, checkpoint: Path | None) -> Avata
         if name in parked:
             ctx.parker.activate(name)
 
-    return AvatarFamily(family_preset, ckpt, device=str(ctx.device), loaded=ctx.modules, on_use=activate)
+    return FamilyRuntime(model_family, family_preset, ckpt, device=str(ctx.device), loaded=ctx.modules,
+                         on_use=activate)
 
 
 def agreed_cancel(ctx: RankContext) -> Callable[[], bool]:
@@ -182,7 +193,8 @@ def render_entry_job(ctx: RankContext, payload: Mapping[str, object]) -> dict[st
                 f"render entry {entry!r} takes no `family` argument, so it cannot render with the engine's "
                 "sharded modules; use pipeline.render:render or send shard=False", field="render_entry")
         checkpoint = getattr(request, "checkpoint", None)
-        extra["family"] = rank_family(ctx, str(getattr(request, "preset", "")),
+        extra["family"] = rank_family(ctx, str(getattr(request, "family", "tiny")),
+                                      str(getattr(request, "preset", "")),
                                       Path(checkpoint) if checkpoint is not None else None)
     should_cancel = agreed_cancel(ctx) if shard and ctx.world_size > 1 else ctx.cancel_requested
     before = loaded_modules()
