@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 from pipeline.media_types import FrameSink
 
 if TYPE_CHECKING:
-    from pipeline.family import AvatarFamily
+    from pipeline.family_runtime import FamilyRuntime
 
 RenderMode = Literal["streaming", "batch"]
 
@@ -25,7 +25,8 @@ class RenderRequest:
     audio: Path
     text: str | None = None
     seed: int = 0
-    preset: str = "tiny"
+    family: str = "tiny"  # a name registered in pipeline.families.FAMILIES
+    preset: str = "tiny"  # one of the family's presets
     checkpoint: Path | None = None
     use_i_chunks: bool = True  # False renders the N-only baseline (for seam measurements)
 
@@ -68,5 +69,5 @@ class Renderer(Protocol):
         should_cancel: Callable[[], bool] | None = None,
         on_progress: Callable[[RenderProgress], None] | None = None,
         device: str = "cpu",
-        family: AvatarFamily | None = None,
+        family: FamilyRuntime | None = None,
     ) -> RenderResult: ...

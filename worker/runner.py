@@ -136,8 +136,10 @@ class NodeExecutor:
         start_timeout_s: float = 600.0,
         preset: str = "tiny",
         checkpoint: Path | None = None,
+        family: str = "tiny",
     ) -> None:
         self.ranks = ranks
+        self.family = family
         self.preset = preset
         self.checkpoint = checkpoint
         self.device = device
@@ -150,12 +152,14 @@ class NodeExecutor:
     def engine(self) -> NodeEngine:
         """The engine (created on first use; ranks spawned by the first ``run``)."""
         if self._engine is None:
+            from pipeline.families import FAMILIES
             from pipeline.placement.engine import EngineConfig, NodeEngine
             from pipeline.placement.loaders import family_loaders
 
             # One rank renders with its own (lazily loaded, warm) family; several ranks shard the
-            # preset's large models across them, loaded once when the engine starts.
-            loaders = family_loaders(self.preset, checkpoint=self.checkpoint) if self.ranks > 1 else {}
+            # family's large models across them, loaded once when the engine starts.
+            loaders = (family_loaders(FAMILIES.get(self.family), self.preset, checkpoint=self.checkpoint)
+                       if self.ranks > 1 else {})
             self._engine = NodeEngine(
                 EngineConfig(
                     loaders=loaders,

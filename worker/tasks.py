@@ -436,6 +436,7 @@ class JobWorker:
             audio=audio,
             text=rec.spec.text,
             seed=rec.spec.seed,
+            family=rec.spec.family,
             preset=rec.spec.preset,
             checkpoint=s.checkpoint,
         )

@@ -11,18 +11,19 @@ returns a :class:`RankRenderResult`. The parent replays the events with
 :class:`~pipeline.placement.relay.SinkRelay`.
 
 Because a rank process lives across jobs, whatever the renderer caches per process stays warm: with
-``pipeline.render`` that is the model family (:func:`pipeline.family.get_family`), built by the first
-job and reused by every later one. :class:`WarmReport` says, per job, how many modules were loaded
-during it (0 once warm), which the worker logs and the tests assert.
+``pipeline.render`` that is the model family (``pipeline.family_runtime.WARM_FAMILIES``), built by
+the first job and reused by every later one. :class:`WarmReport` says, per job, how many modules were
+loaded during it (0 once warm), which the worker logs and the tests assert.
 
 Sharded renders: with ``shard`` (default: ``world_size > 1``) every rank renders with the models the
-engine loaded once per rank (``EngineConfig(loaders=family_loaders(preset))``: A2V and SR
-FSDP2-sharded, the encoders whole) instead of its own unsharded family: the job wraps
-``ctx.modules`` in an ``AvatarFamily(loaded=..., on_use=parker.activate)`` and passes it to the
+engine loaded once per rank (``EngineConfig(loaders=family_loaders(family, preset))``: the family's
+plan, e.g. A2V and SR FSDP2-sharded, the encoders whole) instead of its own unsharded family: the job
+wraps ``ctx.modules`` in a ``FamilyRuntime(loaded=..., on_use=parker.activate)`` and passes it to the
 renderer as ``family=``. Every rank runs the same steps with the same seeds (SPMD; the FSDP
 all-gathers pair up because every rank runs the same forwards in the same order), rank 0 publishes.
 ``shard=False`` on several ranks makes each rank render alone with its own full models (only rank 0's
-output is kept), which wastes the other ranks.
+output is kept), which wastes the other ranks. Nothing from one job is kept for the next except what
+the renderer itself caches.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from pipeline.placement.relay import RelaySink, SinkClosed
 from pipeline.request import Renderer, RenderMode, RenderProgress, RenderRequest, RenderResult
 
 if TYPE_CHECKING:  # torch-free at import: the worker's Celery parent imports this module
-    from pipeline.family import AvatarFamily
+    from pipeline.family_runtime import FamilyRuntime, WarmFamilies
     from pipeline.placement.rank import RankContext
 
 RenderEvent = InitSegment | Fragment | SinkClosed | RenderProgress
@@ -83,43 +84,52 @@ class RankRenderResult:
 
 
 def loaded_modules() -> dict[str, float]:
-    """``"preset/module" -> load_s`` of every model loaded in this process by ``pipeline.family``
-    (empty when the renderer does not use it, e.g. a test stand-in)."""
-    family_mod = sys.modules.get("pipeline.family")
-    if family_mod is None:
+    """``"family/preset/checkpoint/device/module" -> load_s`` of every model this process's warm
+    families (``pipeline.family_runtime.WARM_FAMILIES``) loaded; empty when the renderer does not use
+    them (e.g. a test stand-in: the module is then never imported, so neither is torch's model code)."""
+    runtime_mod = sys.modules.get("pipeline.family_runtime")
+    if runtime_mod is None:
         return {}
-    out: dict[str, float] = {}
-    for key, family in list(family_mod._families.items()):
-        for name, module in family.modules.items():
-            if module.is_loaded:
-                out[f"{'/'.join(key)}/{name}"] = module.load_s
-    return out
+    warm: WarmFamilies = runtime_mod.WARM_FAMILIES
+    return warm.loaded_modules()
 
 
-def rank_family(ctx: RankContext, preset: str, checkpoint: Path | None) -> AvatarFamily:
-    """The family over this rank's engine-loaded modules (see the module docstring), for ``preset``.
+def rank_family(ctx: RankContext, family: str, preset: str, checkpoint: Path | None) -> FamilyRuntime:
+    """The family runtime over this rank's engine-loaded modules (see the module docstring).
 
-    Raises :class:`ModuleLoadError` when the engine was not configured with ``family_loaders`` for
-    this preset and checkpoint (the weights would differ from the single-process render's).
+    The family object comes with the modules (``FAMILY_SOURCES``, written by ``family_loaders``), so
+    this file names no family. Raises :class:`ModuleLoadError` when the engine was not configured with
+    ``family_loaders`` for this family, preset and checkpoint (the weights would differ from the
+    single-process render's).
     """
-    from pipeline.family import AvatarFamily, default_checkpoint, family_module_names, resolve_preset
+    from pipeline.family_runtime import FamilyRuntime
     from pipeline.placement.loaders import FAMILY_SOURCES
 
-    family_preset = resolve_preset(preset)
-    names = family_module_names(family_preset)
-    ckpt = checkpoint if checkpoint is not None else default_checkpoint(preset)
+    held = {src.family.name: src.family for src in FAMILY_SOURCES.values()}
+    model_family = held.get(family)
+    if model_family is None:
+        raise ModuleLoadError(
+            f"sharded render of family {family!r} on rank {ctx.rank}: the engine's modules are of "
+            f"{sorted(held) or 'no family'} (none loaded by family_loaders). Start the NodeEngine with "
+            f"EngineConfig(loaders=family_loaders(FAMILIES.get({family!r}), {preset!r}, checkpoint=...)) "
+            "for the family the jobs ask for, or send shard=False")
+    family_preset = model_family.preset(preset)
+    names = list(model_family.modules(family_preset, None))
+    ckpt = checkpoint if checkpoint is not None else model_family.default_checkpoint(family_preset)
     sources = {n: FAMILY_SOURCES.get(n) for n in names}
     wrong = {
         n: (None if src is None else (src.preset, str(src.checkpoint)))
         for n, src in sources.items()
-        if n not in ctx.modules or src is None or src.preset != preset or src.checkpoint != ckpt
+        if n not in ctx.modules or src is None or src.family.name != family or src.preset != preset
+        or src.checkpoint != ckpt
     }
     if wrong:
         raise ModuleLoadError(
             f"sharded render of preset {preset!r} (checkpoint {ckpt}) on rank {ctx.rank}: the engine's "
             f"modules do not match: {wrong} (module -> (preset, checkpoint) loaded, None: not loaded by "
-            f"family_loaders). Start the NodeEngine with EngineConfig(loaders=family_loaders({preset!r}, "
-            "checkpoint=...)) for the preset and checkpoint the jobs ask for, or send shard=False"
+            f"family_loaders). Start the NodeEngine with EngineConfig(loaders=family_loaders("
+            f"FAMILIES.get({family!r}), {preset!r}, checkpoint=...)) for the preset and checkpoint the "
+            "jobs ask for, or send shard=False"
         )
     parked = {n for n, src in sources.items() if src is not None and src.parked}
 
@@ -127,7 +137,8 @@ def rank_family(ctx: RankContext, preset: str, checkpoint: Path | None) -> Avata
         if name in parked:
             ctx.parker.activate(name)
 
-    return AvatarFamily(family_preset, ckpt, device=str(ctx.device), loaded=ctx.modules, on_use=activate)
+    return FamilyRuntime(model_family, family_preset, ckpt, device=str(ctx.device), loaded=ctx.modules,
+                         on_use=activate)
 
 
 def agreed_cancel(ctx: RankContext) -> Callable[[], bool]:
@@ -173,7 +184,7 @@ def render_on_rank(ctx: RankContext, job: RankRenderRequest) -> RankRenderResult
             ctx.publish(progress)
 
     shard = job.shard if job.shard is not None else ctx.world_size > 1
-    family = rank_family(ctx, request.preset, request.checkpoint) if shard else None
+    family = rank_family(ctx, request.family, request.preset, request.checkpoint) if shard else None
     should_cancel = agreed_cancel(ctx) if shard and ctx.world_size > 1 else ctx.cancel_requested
     before = loaded_modules()
     try:

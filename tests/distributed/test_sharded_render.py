@@ -2,7 +2,7 @@
 ``render_on_rank``) against the single-process ``render()`` of the same request.
 
 Observed: bit-identical frames and byte-identical fMP4 (init segment and every fragment). Why exact:
-both sides build the weights through ``pipeline.family.family_modules`` (same seeds), the AllGather
+both sides build the weights through the tiny family's ``modules()`` (same seeds), the AllGather
 reassembles the exact parameter bytes, every rank and the reference run the same CPU kernels with one
 thread under ``torch.no_grad``, and x264 is deterministic for identical frames. The encoders run whole
 on each rank, so only the DiT forwards go through FSDP.
@@ -21,6 +21,7 @@ import torch
 
 from bench.inputs import DEMO_IMAGE, speech_wav
 from pipeline.errors import CancelledError, ModuleLoadError
+from pipeline.families import FAMILIES
 from pipeline.media_types import Fragment, InitSegment
 from pipeline.placement.engine import EngineConfig, NodeEngine
 from pipeline.placement.loaders import family_loaders
@@ -81,7 +82,7 @@ def _check_sharded(world_size: int, reference: tuple[RankRenderRequest, list[obj
                    tmp_path: Path, *, park: bool | None = None,
                    extra: Callable[[NodeEngine], None] | None = None) -> None:
     payload, ref_events, ref_frames = reference
-    config = EngineConfig(world_size=world_size, loaders=family_loaders("tiny"), threads_per_rank=1,
+    config = EngineConfig(world_size=world_size, loaders=family_loaders(FAMILIES.get("tiny"), "tiny"), threads_per_rank=1,
                           park=park)
     events: list[object] = []
     with NodeEngine(config) as engine:
