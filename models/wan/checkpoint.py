@@ -151,6 +151,27 @@ def state_dict_entries(state: Mapping[str, Tensor], path: Path) -> dict[str, Ent
     return {k: Entry(path, tuple(v.shape), v.dtype, (lambda v=v: v)) for k, v in state.items()}
 
 
+def read_pth(path: Path, release_file: str) -> tuple[Path, dict[str, Tensor]]:
+    """Open a Wan ``.pth`` state dict memory-mapped (``path`` may be the release folder); clear errors
+    for a missing file, an unreadable one, or one that holds no state dict."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / release_file
+    if not path.is_file():
+        raise WanCheckpointError(f"{path}: not found; the Wan2.1-I2V-14B-480P folder ships {release_file}")
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as exc:  # torch raises several types for a bad zip / pickle
+        raise WanCheckpointError(
+            f"{path}: not a readable torch checkpoint ({exc}); download it again"
+        ) from exc
+    if not isinstance(state, dict):
+        raise WanCheckpointError(
+            f"{path}: holds a {type(state).__name__}, expected a state dict ({release_file})"
+        )
+    return path, state
+
+
 def fill_module(
     module: nn.Module,
     entries: Mapping[str, Entry],

@@ -23,7 +23,7 @@ from diffusers import AutoencoderKLWan
 from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 from torch import Tensor, nn
 
-from models.wan.checkpoint import WanCheckpointError, fill_module, state_dict_entries
+from models.wan.checkpoint import fill_module, read_pth, state_dict_entries
 
 VAE_FILE = "Wan2.1_VAE.pth"
 
@@ -130,21 +130,7 @@ def load_wan_vae(
 ) -> WanStreamingVAE:
     """Load ``Wan2.1_VAE.pth`` (original Wan key names, a plain state dict) through diffusers' own
     converter into ``AutoencoderKLWan``; strict. ``config`` overrides the Wan2.1 shape (tests)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / VAE_FILE
-    if not path.is_file():
-        raise WanCheckpointError(f"{path}: not found; the Wan2.1-I2V-14B-480P folder ships {VAE_FILE}")
-    try:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as exc:  # torch raises several types for a bad zip / pickle
-        raise WanCheckpointError(
-            f"{path}: not a readable torch checkpoint ({exc}); download it again"
-        ) from exc
-    if not isinstance(state, dict):
-        raise WanCheckpointError(
-            f"{path}: holds a {type(state).__name__}, expected a state dict of the Wan VAE"
-        )
+    path, state = read_pth(path, VAE_FILE)
     entries = state_dict_entries(convert_wan_vae_to_diffusers(dict(state)), path)
     vae = build_vae(**(config or {}))
     fill_module(vae, entries, dtype=dtype, device=device, what="Wan2.1 VAE (Wan2.1_VAE.pth)")
