@@ -94,7 +94,7 @@ def safetensors_entries(files: Iterable[Path]) -> dict[str, Entry]:
             dtype = _ST_DTYPES.get(str(info["dtype"]))
             if dtype is None:
                 raise WanCheckpointError(f"{path}: tensor {key} has unsupported dtype {info['dtype']}")
-            shape = tuple(int(s) for s in info["shape"])  # type: ignore[union-attr]
+            shape = tuple(int(s) for s in info["shape"])  # type: ignore[attr-defined]
             out[key] = Entry(path, shape, dtype, _reader(path, key))
     return out
 
@@ -148,7 +148,16 @@ def _reader(path: Path, key: str) -> Callable[[], Tensor]:
 
 def state_dict_entries(state: Mapping[str, Tensor], path: Path) -> dict[str, Entry]:
     """Entries of a ``.pth`` state dict loaded with ``torch.load(..., mmap=True, weights_only=True)``."""
-    return {k: Entry(path, tuple(v.shape), v.dtype, (lambda v=v: v)) for k, v in state.items()}
+    return {k: Entry(path, tuple(v.shape), v.dtype, constant(v)) for k, v in state.items()}
+
+
+def constant(tensor: Tensor) -> Callable[[], Tensor]:
+    """A reader for a tensor already at hand (mmap'd ``.pth`` entries, derived tensors)."""
+
+    def read() -> Tensor:
+        return tensor
+
+    return read
 
 
 def read_pth(path: Path, release_file: str) -> tuple[Path, dict[str, Tensor]]:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import CLIPVisionConfig, CLIPVisionModel
 
-from models.wan.checkpoint import Entry, WanCheckpointError, fill_module, read_pth
+from models.wan.checkpoint import Entry, WanCheckpointError, constant, fill_module, read_pth
 
 CLIP_FILE = "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth"
 VIT_H_14 = {
@@ -40,7 +40,7 @@ def clip_entries(state: dict[str, Tensor], path: Path) -> dict[str, Entry]:
     out: dict[str, Entry] = {}
 
     def put(key: str, t: Tensor) -> None:
-        out[key] = Entry(path, tuple(t.shape), t.dtype, (lambda t=t: t))
+        out[key] = Entry(path, tuple(t.shape), t.dtype, constant(t))
 
     for k, v in state.items():
         if not k.startswith("visual.") or k == "visual.head":
@@ -73,7 +73,7 @@ class WanImageEncoder(nn.Module):
     @torch.no_grad()
     def encode(self, image_B3HW: Tensor) -> Tensor:
         """Reference image(s) in [-1, 1] → ``[B, 257, 1280]`` (penultimate block, as Wan's I2V reads)."""
-        size = self.model.config.image_size
+        size = int(self.model.config.image_size)
         x = F.interpolate(image_B3HW.float(), size=(size, size), mode="bicubic", align_corners=False)
         mean = torch.tensor(MEAN, device=x.device).view(1, 3, 1, 1)
         std = torch.tensor(STD, device=x.device).view(1, 3, 1, 1)
@@ -97,7 +97,7 @@ def load_clip_vision(
     # position_ids is a non-persistent buffer in the checkpoint's absence: fill it here
     n_pos = model.embeddings.num_positions
     entries["embeddings.position_ids"] = Entry(
-        path, (1, n_pos), torch.int64, lambda: torch.arange(n_pos)[None]
+        path, (1, n_pos), torch.int64, constant(torch.arange(n_pos)[None])
     )
     fill_module(model, entries, dtype=dtype, device=device, what=f"CLIP ViT-H/14 visual tower ({CLIP_FILE})")
     return WanImageEncoder(model.eval().requires_grad_(False))

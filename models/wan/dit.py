@@ -251,6 +251,37 @@ class AudioProjection(nn.Module):
         return self.norm(tokens)  # B, T, M, C
 
 
+class WanHead(nn.Module):
+    """Output norm (modulated by the time embedding) and projection to patch pixels."""
+
+    def __init__(self, cfg: WanDiTConfig) -> None:
+        super().__init__()
+        self.norm = WanLayerNorm(cfg.dim, cfg.eps)
+        self.head = nn.Linear(cfg.dim, cfg.out_dim * math.prod(cfg.patch_size))
+        self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim**0.5)
+
+    def forward(self, x_BLD: Tensor, e_BD: Tensor) -> Tensor:
+        shift, scale = (self.modulation.float() + e_BD.float()[:, None]).chunk(2, dim=1)
+        return _linear32(self.norm(x_BLD).float() * (1 + scale) + shift, self.head)
+
+
+class ImageProjection(nn.Module):
+    """CLIP tokens → DiT width (Wan's ``MLPProj``: LayerNorm, Linear, GELU, Linear, LayerNorm)."""
+
+    def __init__(self, cfg: WanDiTConfig) -> None:
+        super().__init__()
+        self.proj = nn.Sequential(
+            nn.LayerNorm(cfg.image_dim),
+            nn.Linear(cfg.image_dim, cfg.image_dim),
+            nn.GELU(),
+            nn.Linear(cfg.image_dim, cfg.dim),
+            nn.LayerNorm(cfg.dim),
+        )
+
+    def forward(self, clip_BMC: Tensor) -> Tensor:
+        return self.proj(clip_BMC)
+
+
 class WanAvatarDiT(nn.Module):
     """Velocity model ``v(x_t, t | known frames, text, image, audio)`` of InfiniteTalk / FlashTalk."""
 
@@ -265,18 +296,8 @@ class WanAvatarDiT(nn.Module):
         self.time_embedding = nn.Sequential(nn.Linear(cfg.freq_dim, d), nn.SiLU(), nn.Linear(d, d))
         self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(d, 6 * d))
         self.blocks = nn.ModuleList([WanAvatarBlock(cfg) for _ in range(cfg.num_layers)])
-        self.head = nn.Module()
-        self.head.norm = WanLayerNorm(d, cfg.eps)
-        self.head.head = nn.Linear(d, cfg.out_dim * math.prod(cfg.patch_size))
-        self.head.modulation = nn.Parameter(torch.randn(1, 2, d) / d**0.5)
-        self.img_emb = nn.Module()
-        self.img_emb.proj = nn.Sequential(
-            nn.LayerNorm(cfg.image_dim),
-            nn.Linear(cfg.image_dim, cfg.image_dim),
-            nn.GELU(),
-            nn.Linear(cfg.image_dim, d),
-            nn.LayerNorm(d),
-        )
+        self.head = WanHead(cfg)
+        self.img_emb = ImageProjection(cfg)
         self.audio_proj = AudioProjection(cfg)
 
     def embed_context(self, text_BND: Tensor, clip_BMC: Tensor) -> tuple[Tensor, Tensor]:
@@ -289,7 +310,7 @@ class WanAvatarDiT(nn.Module):
             )
         dtype = self.patch_embedding.weight.dtype
         text_BND = F.pad(text_BND.to(dtype), (0, 0, 0, self.cfg.text_len - n))
-        return self.text_embedding(text_BND), self.img_emb.proj(clip_BMC.to(dtype))
+        return self.text_embedding(text_BND), self.img_emb(clip_BMC.to(dtype))
 
     def audio_tokens(self, audio_BFWLC: Tensor) -> Tensor:
         """Audio windows per video frame → ``[B, T, audio_context_tokens, audio_output_dim]``."""
@@ -340,8 +361,7 @@ class WanAvatarDiT(nn.Module):
         for block in self.blocks:
             x_BLD = block(x_BLD, e_B6D, rope, text_BND.to(param_dtype), image_BMD.to(param_dtype), audio_BTMC)
 
-        shift, scale = (self.head.modulation.float() + e_BD.float()[:, None]).chunk(2, dim=1)
-        out = _linear32(self.head.norm(x_BLD).float() * (1 + scale) + shift, self.head.head)
+        out = self.head(x_BLD, e_BD)
         out = out.reshape(b, *grid, pt, ph, pw, cfg.out_dim)
         return torch.einsum("bfhwpqrc->bcfphqwr", out).reshape(b, cfg.out_dim, t, h, w)
 
