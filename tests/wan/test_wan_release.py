@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from wan_fixtures import random_dit_state, wan_config_json, write_sharded
 
 from models.wan.checkpoint import WanCheckpointError
 from models.wan.release import load_flashtalk_dit, load_infinitetalk_dit
@@ -103,11 +104,6 @@ def test_each_corruption_is_named_and_loads_nothing(infinitetalk_release, corrup
 
 
 def test_flashtalk_single_folder_with_audio_layers(tmp_path, tiny_cfg) -> None:  # type: ignore[no-untyped-def]
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from conftest import random_dit_state, wan_config_json, write_sharded
-
     state = random_dit_state(tiny_cfg, seed=3)
     folder = tmp_path / "SoulX-FlashTalk-14B"
     write_sharded(folder, {k: v.to(torch.bfloat16) for k, v in state.items()}, num_shards=2)
