@@ -19,14 +19,19 @@ image loaders of the sibling modules) once per process; nothing here knows about
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from models.wan.audio import WanAudioFeatures, load_wav2vec2
 from models.wan.checkpoint import WanCheckpointError, fill_module, safetensors_entries, sharded_entries
+from models.wan.clip import WanImageEncoder, load_clip_vision
 from models.wan.config import WanDiTConfig
 from models.wan.dit import WanAvatarDiT
+from models.wan.text import WanTextEncoder, load_umt5
+from models.wan.vae import WanStreamingVAE, load_wan_vae
 
 DIT_STEM = "diffusion_pytorch_model"
 WAN_I2V_FILES = ("config.json", f"{DIT_STEM}.safetensors.index.json")
@@ -103,3 +108,71 @@ def load_flashtalk_dit(
 
 def parameter_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+WAN_COMPONENT_FILES = ("Wan2.1_VAE.pth", "models_t5_umt5-xxl-enc-bf16.pth",
+                       "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth")  # fmt: skip
+
+
+@dataclass
+class WanAvatarModules:
+    """Everything one avatar job needs; ``text`` / ``image`` run once per job and can then be parked."""
+
+    dit: WanAvatarDiT
+    vae: WanStreamingVAE
+    audio: WanAudioFeatures
+    text: WanTextEncoder | None
+    image: WanImageEncoder | None
+
+
+def _load_components(
+    folder: Path,
+    dit: WanAvatarDiT,
+    wav2vec_dir: Path,
+    dtype: torch.dtype,
+    device: str,
+    with_encoders: bool,
+    shapes: dict[str, dict[str, object]],
+) -> WanAvatarModules:
+    vae = load_wan_vae(folder, dtype=dtype, device=device, config=shapes.get("vae"))
+    audio = load_wav2vec2(wav2vec_dir, device=device)
+    text = load_umt5(folder, dtype=dtype, config=shapes.get("t5")) if with_encoders else None
+    image = load_clip_vision(folder, dtype=dtype, config=shapes.get("clip")) if with_encoders else None
+    return WanAvatarModules(dit, vae, audio, text, image)
+
+
+def load_infinitetalk(
+    wan_dir: Path,
+    infinitetalk_file: Path,
+    wav2vec_dir: Path,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cpu",
+    with_encoders: bool = True,
+    shapes: dict[str, dict[str, object]] | None = None,
+) -> WanAvatarModules:
+    """InfiniteTalk from the three downloaded folders (docs/wan.md). Every folder is checked before any
+    tensor is read. ``with_encoders=False`` skips umT5 / CLIP (when their outputs are cached per job);
+    ``shapes`` overrides the VAE / T5 / CLIP configs (tests)."""
+    wan_dir, wav2vec_dir = Path(wan_dir), Path(wav2vec_dir)
+    check_release_dir(wan_dir, WAN_I2V_FILES + WAN_COMPONENT_FILES, "Wan2.1-I2V-14B-480P")
+    check_release_dir(wav2vec_dir, ("config.json",), "chinese-wav2vec2-base")
+    dit = load_infinitetalk_dit(wan_dir, Path(infinitetalk_file), dtype=dtype, device=device)
+    return _load_components(wan_dir, dit, wav2vec_dir, dtype, device, with_encoders, shapes or {})
+
+
+def load_flashtalk(
+    flashtalk_dir: Path,
+    wav2vec_dir: Path,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cpu",
+    with_encoders: bool = True,
+    shapes: dict[str, dict[str, object]] | None = None,
+) -> WanAvatarModules:
+    """SoulX-FlashTalk-14B from its folder (DiT with audio layers + the Wan VAE / T5 / CLIP files)."""
+    flashtalk_dir, wav2vec_dir = Path(flashtalk_dir), Path(wav2vec_dir)
+    check_release_dir(flashtalk_dir, ("config.json",) + WAN_COMPONENT_FILES, "SoulX-FlashTalk-14B")
+    check_release_dir(wav2vec_dir, ("config.json",), "chinese-wav2vec2-base")
+    dit = load_flashtalk_dit(flashtalk_dir, dtype=dtype, device=device)
+    return _load_components(flashtalk_dir, dit, wav2vec_dir, dtype, device, with_encoders, shapes or {})

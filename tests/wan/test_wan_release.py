@@ -118,3 +118,34 @@ def test_flashtalk_single_folder_with_audio_layers(tmp_path, tiny_cfg) -> None: 
     (folder / "diffusion_pytorch_model.safetensors.index.json").unlink()
     with pytest.raises(WanCheckpointError, match="2 shard files are there, so the index was lost"):
         load_flashtalk_dit(folder)
+
+
+def test_whole_infinitetalk_release_loads_and_checks_every_folder_first(
+    infinitetalk_release, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    from diffusers import AutoencoderKLWan
+    from test_wan_audio import TINY as W2V_TINY
+    from test_wan_vae import TINY as VAE_TINY
+    from test_wan_vae import to_original_keys
+    from transformers import Wav2Vec2Config, Wav2Vec2Model
+
+    from models.wan.release import load_infinitetalk
+
+    wan, it, _ = infinitetalk_release()
+    torch.manual_seed(0)
+    vae_state = AutoencoderKLWan(**VAE_TINY).state_dict()  # type: ignore[arg-type]
+    torch.save({to_original_keys(k): v for k, v in vae_state.items()}, wan / "Wan2.1_VAE.pth")
+    (wan / "models_t5_umt5-xxl-enc-bf16.pth").touch()
+    w2v = tmp_path / "chinese-wav2vec2-base"
+    Wav2Vec2Model(Wav2Vec2Config(**W2V_TINY)).save_pretrained(w2v)
+    with pytest.raises(
+        WanCheckpointError, match="missing models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth"
+    ):
+        load_infinitetalk(wan, it, w2v, with_encoders=False)
+    (wan / "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth").touch()
+    mods = load_infinitetalk(wan, it, w2v, dtype=torch.float32, with_encoders=False, shapes={"vae": VAE_TINY})
+    assert mods.text is None and mods.image is None
+    lat = torch.randn(1, 4, 2, 2, 2)
+    assert mods.vae.decode_chunk(lat, mods.vae.new_cache()).shape == (1, 3, 5, 16, 16)
+    assert mods.dit.blocks[0].audio_cross_attn.q_linear.weight.dtype == torch.float32
+    assert len(mods.audio.model.encoder.layers) == W2V_TINY["num_hidden_layers"]
