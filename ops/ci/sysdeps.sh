@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # System tools the tests need: ffmpeg/ffprobe (an independent decoder for our MP4s), espeak-ng
-# (speech for the synthetic training data), a headless Chromium (the live preview page) and kubectl
-# (renders the Kubernetes overlays).
+# (speech for the synthetic training data) and a headless Chromium (the live preview page).
 # Installed from Debian's packages when missing.
 set -euo pipefail
 need=()
@@ -10,8 +9,6 @@ command -v espeak-ng >/dev/null 2>&1 || need+=(espeak-ng)
 # headless Chromium plays worker/static/preview.html in tests/integration/test_delivery_preview_page.py
 command -v chromium-headless-shell >/dev/null 2>&1 || command -v chromium >/dev/null 2>&1 \
   || need+=(chromium-headless-shell)
-# kubectl's built-in kustomize renders ops/k8s overlays in tests/unit/test_deploy.py
-command -v kubectl >/dev/null 2>&1 || need+=(kubectl)
 if ((${#need[@]})); then
   echo "installing ${need[*]} from Debian's packages"
   export DEBIAN_FRONTEND=noninteractive
