@@ -2,7 +2,7 @@
 
 Built once per process by its entry point (CLI command, Celery worker start, API app factory) with
 ``Settings()`` and passed down; nothing creates settings at import time except
-:mod:`worker.celery_app`, whose module-level ``app`` is what ``celery -A worker.celery_app`` loads.
+:mod:`worker.jobs.celery_app`, whose module-level ``app`` is what ``celery -A worker.jobs.celery_app`` loads.
 Each component receives the fields it needs, not the whole object.
 
 The defaults are the embedded ones (SQLite, a local directory as object store) so a laptop needs
@@ -153,8 +153,8 @@ class Settings(BaseSettings):
         "publisher thread (pipeline.host.default_threads)",
     )
     delivery_factory: str = Field(
-        default="worker.tasks:s3_delivery",
-        description="module:function building a job's sinks (see worker.tasks.JobDelivery)",
+        default="worker.jobs.tasks:s3_delivery",
+        description="module:function building a job's sinks (see worker.jobs.tasks.JobDelivery)",
     )
     checkpoint: Path | None = Field(
         default=None, description="Model checkpoint for the preset (None = preset default)"

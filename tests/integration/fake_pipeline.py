@@ -10,7 +10,7 @@ The "audio" input is a small JSON file describing the render: ``{"num_fragments"
 "sleep_s": 0.2, "fail_at": null, "fail_code": null}``. The image input is only checked to exist.
 
 Also here: :class:`LocalDelivery`, a minimal local-directory delivery with the ``JobDelivery``
-shape, used when ``worker.delivery`` is not available in this checkout. Like the real one it
+shape, used when ``worker.delivery.s3_sink`` is not available in this checkout. Like the real one it
 writes segment + resume state before calling ``on_commit`` and writes ``final.mp4`` = init + all
 fragments at ``close(ok=True)``.
 """
@@ -316,7 +316,7 @@ class _HangingSink:
 def hanging_delivery(settings: Any, **kw: Any) -> Any:
     """The worker's real delivery whose sinks hang in ``write`` of one fragment, once:
     ``$LONGTAKE_FAKE_SINK_HANG`` = ``"index:marker-path"`` (a stuck upload in the worker thread)."""
-    from worker.tasks import s3_delivery
+    from worker.jobs.tasks import s3_delivery
 
     delivery = s3_delivery(settings, **kw)
     index, _, marker = os.environ["LONGTAKE_FAKE_SINK_HANG"].partition(":")

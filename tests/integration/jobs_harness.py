@@ -30,14 +30,14 @@ sys.path.insert(0, str(HERE))
 
 import fake_pipeline  # noqa: E402
 
-from worker.celery_app import create_celery_app, enqueue_render  # noqa: E402
+from worker.jobs.celery_app import create_celery_app, enqueue_render  # noqa: E402
+from worker.jobs.store import JobRecord, JobStore  # noqa: E402
 from worker.settings import Settings  # noqa: E402
 from worker.spec import JobSpec, spec_context  # noqa: E402
-from worker.store import JobRecord, JobStore  # noqa: E402
 
 DELIVERY = (
-    "worker.tasks:s3_delivery"
-    if importlib.util.find_spec("worker.delivery") is not None
+    "worker.jobs.tasks:s3_delivery"
+    if importlib.util.find_spec("worker.delivery.s3_sink") is not None
     else "fake_pipeline:local_delivery"
 )
 
@@ -83,7 +83,7 @@ def pid_alive(pid: int) -> bool:
 
 
 class CeleryWorker:
-    """One ``celery -A worker.celery_app worker`` process (its own process group, so kill -9 of the
+    """One ``celery -A worker.jobs.celery_app worker`` process (its own process group, so kill -9 of the
     group takes the render child with it)."""
 
     def __init__(self, name: str, env: dict[str, str], log_path: Path, pool: str = "solo") -> None:
@@ -99,7 +99,7 @@ class CeleryWorker:
                 "-m",
                 "celery",
                 "-A",
-                "worker.celery_app",
+                "worker.jobs.celery_app",
                 "worker",
                 f"--pool={self.pool}",
                 "-c",

@@ -27,14 +27,14 @@ from sqlalchemy.engine import Engine
 
 from tests.integration import kvs_standin
 from tests.integration.s3_fixtures import MotoServer
-from worker import api as api_module
-from worker.api import create_app, upload_key
-from worker.celery_app import RENDER_TASK_NAME, create_celery_app
+from worker.api import app as api_module
+from worker.api.app import create_app, upload_key
 from worker.client import LongtakeAPIError, LongtakeClient
-from worker.db import make_engine, migrate
+from worker.delivery.storage import LocalObjectStore, ObjectStore, job_prefix
+from worker.jobs.celery_app import RENDER_TASK_NAME, create_celery_app
+from worker.jobs.db import make_engine, migrate
+from worker.jobs.store import JobStore
 from worker.settings import Settings
-from worker.storage import LocalObjectStore, ObjectStore, job_prefix
-from worker.store import JobStore
 
 pytestmark = pytest.mark.integration
 

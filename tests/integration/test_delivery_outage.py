@@ -15,8 +15,8 @@ import pytest
 from pipeline.errors import SinkError
 from tests.integration.delivery_media import decode_frames, make_sample
 from tests.integration.s3_fixtures import MotoServer
-from worker.delivery import CommittedSegment, S3ProgressiveSink
-from worker.storage import job_prefix
+from worker.delivery.s3_sink import CommittedSegment, S3ProgressiveSink
+from worker.delivery.storage import job_prefix
 
 pytestmark = pytest.mark.integration
 

@@ -16,10 +16,10 @@ from pipeline.render import RenderRequest, render
 from tests.integration.delivery_media import decode_frames, ffprobe_duration
 from tests.integration.kvs_standin import ACCESS_KEY, REGION, SECRET_KEY, KVSStandIn
 from tests.integration.s3_fixtures import MotoServer, moto_s3  # noqa: F401
-from worker.delivery import CommittedSegment, S3ProgressiveSink
-from worker.kvs.putmedia import PutMediaClient
-from worker.kvs_sink import KVSPreviewSink
-from worker.storage import job_prefix
+from worker.delivery.kvs.putmedia import PutMediaClient
+from worker.delivery.kvs.sink import KVSPreviewSink
+from worker.delivery.s3_sink import CommittedSegment, S3ProgressiveSink
+from worker.delivery.storage import job_prefix
 
 pytestmark = pytest.mark.integration
 

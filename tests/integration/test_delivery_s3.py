@@ -14,8 +14,8 @@ from pipeline.errors import SinkError
 from pipeline.media_types import Fragment
 from tests.integration.delivery_media import Sample, decode_frames, ffprobe_duration, make_sample
 from tests.integration.s3_fixtures import MotoServer, moto_s3, s3_store  # noqa: F401
-from worker.delivery import CommittedSegment, MultipartState, S3ProgressiveSink, presigned_playlist
-from worker.storage import LocalObjectStore, ObjectStore, S3ObjectStore, StorageError, job_prefix
+from worker.delivery.s3_sink import CommittedSegment, MultipartState, S3ProgressiveSink, presigned_playlist
+from worker.delivery.storage import LocalObjectStore, ObjectStore, S3ObjectStore, StorageError, job_prefix
 
 pytestmark = pytest.mark.integration
 

@@ -8,9 +8,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from worker.db import make_engine
+from worker.jobs.db import make_engine
+from worker.jobs.store import JobStore, Lease, LeaseLostError, SegmentRecord
 from worker.spec import JobSpec
-from worker.store import JobStore, Lease, LeaseLostError, SegmentRecord
 
 pytestmark = pytest.mark.integration
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
 
-from worker.storage import (
+from worker.delivery.storage import (
     LocalObjectStore,
     ObjectNotFoundError,
     StorageError,

@@ -54,7 +54,7 @@ from typing import IO, TypeVar
 from pipeline.errors import SinkError
 from pipeline.media_types import Fragment, InitSegment
 from pipeline.sinks import HLS_INIT, HLS_PLAYLIST, hls_segment_name, hls_target_duration, render_hls_playlist
-from worker.storage import ObjectNotFoundError, ObjectStore, StorageError, safe_key
+from worker.delivery.storage import ObjectNotFoundError, ObjectStore, StorageError, safe_key
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class DeliveryCounters:
 def presigned_playlist(store: ObjectStore, prefix: str, *, expires_s: int = 3600) -> str:
     """The job's current HLS playlist with the init and segment URIs replaced by presigned GET URLs,
     for players that cannot sign requests (the API serves it; ``longtake preview`` points at it).
-    Raises :class:`worker.storage.ObjectNotFoundError` before the first segment has landed."""
+    Raises :class:`worker.delivery.storage.ObjectNotFoundError` before the first segment has landed."""
     text = store.get_bytes(safe_key(prefix, PLAYLIST_NAME)).decode()
     out = []
     for line in text.splitlines():

@@ -2,7 +2,7 @@
 
 Who calls what: ``longtake api`` (and ``longtake up``) build the app once per process with
 :func:`create_app` and serve it with uvicorn; tests build it with their own settings. The app holds
-one SQLAlchemy engine (through :class:`worker.store.JobStore`), one object store and one Celery app
+one SQLAlchemy engine (through :class:`worker.jobs.store.JobStore`), one object store and one Celery app
 (used only to *send* messages). Endpoints are plain ``def`` so FastAPI runs the blocking store
 calls in its thread pool.
 
@@ -41,8 +41,7 @@ from pydantic import ValidationError
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
-from worker.auth import AuthError, PreviewSigner, TokenAuth
-from worker.celery_app import create_celery_app, enqueue_render
+from worker.api.auth import AuthError, PreviewSigner, TokenAuth
 from worker.client import (
     JobListView,
     JobView,
@@ -51,11 +50,12 @@ from worker.client import (
     ProgressView,
     SegmentView,
 )
-from worker.delivery import PLAYLIST_NAME, presigned_playlist
+from worker.delivery.s3_sink import PLAYLIST_NAME, presigned_playlist
+from worker.delivery.storage import ObjectNotFoundError, ObjectStore, job_prefix, open_object_store, safe_key
+from worker.jobs.celery_app import create_celery_app, enqueue_render
+from worker.jobs.store import JobRecord, JobStatus, JobStore
 from worker.settings import Settings
 from worker.spec import JobSpec, spec_context
-from worker.storage import ObjectNotFoundError, ObjectStore, job_prefix, open_object_store, safe_key
-from worker.store import JobRecord, JobStatus, JobStore
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ def create_app(
 ) -> FastAPI:
     """Build the API app. ``engine``/``objects``/``celery`` default to what ``settings`` describe
     (``celery`` is only used to publish). Nothing connects at build time: the first request does."""
-    from worker.db import make_engine
+    from worker.jobs.db import make_engine
 
     auth = TokenAuth.from_setting(settings.api_tokens)
     if not auth.tenants:
@@ -290,7 +290,7 @@ def _kvs_preview(deps: _Deps, job_id: str, stream_name: str, region: str) -> Pre
     """A LIVE HLS session URL of the job's KVS stream (GetHLSStreamingSessionURL), using the API
     process' AWS credentials (boto3's default chain). Not configured / not reachable -> no URL, and
     ``detail`` says why and what to do."""
-    from worker.kvs.putmedia import PutMediaClient
+    from worker.delivery.kvs.putmedia import PutMediaClient
 
     expires = min(deps.settings.presign_expires_s, 43200)  # KVS caps session URLs at 12 h
     try:

@@ -1,6 +1,6 @@
 """The Celery application: Redis broker, configured for tasks that run for hours.
 
-``celery -A worker.celery_app worker --pool=solo -c 1 -Q longtake`` (or ``longtake worker``) loads
+``celery -A worker.jobs.celery_app worker --pool=solo -c 1 -Q longtake`` (or ``longtake worker``) loads
 the module-level :data:`app`. The API and the reaper publish with :func:`enqueue_render`; the message
 carries only the job id — the job row is the truth and the result (no result backend).
 
@@ -33,7 +33,7 @@ from celery import Celery, signals
 from worker.settings import Settings
 
 if TYPE_CHECKING:
-    from worker.store import JobStore
+    from worker.jobs.store import JobStore
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def create_celery_app(settings: Settings) -> Celery:
     celery.conf.update(celery_config(settings))
     celery.conf.longtake_settings = settings
     # registers RENDER_TASK_NAME on every app created here
-    from worker.tasks import register_tasks
+    from worker.jobs.tasks import register_tasks
 
     register_tasks(celery)
     return celery
@@ -120,7 +120,7 @@ def enqueue_render(celery: Celery, job_id: str, *, queue: str, priority: int = 5
 def reap_once(store: JobStore, celery: Celery, *, queue: str) -> list[str]:
     """One reaper pass (``longtake reap`` and the worker's reaper thread): requeue expired leases
     and publish a fresh message for each requeued job (its old one died with its worker)."""
-    from worker.metrics import REAPED
+    from worker.jobs.metrics import REAPED
 
     ids = store.requeue_expired()
     for job_id in ids:
@@ -135,8 +135,8 @@ def reaper_loop(celery: Celery, settings: Settings, stop: threading.Event) -> No
     """Requeue expired leases every ``reaper_interval_s`` and publish a message for each requeued
     job (its old message died with its worker). Runs until ``stop`` is set; errors are logged and
     the loop goes on (a DB or broker outage must not kill the thread)."""
-    from worker.db import DbRetry, make_engine
-    from worker.store import JobStore
+    from worker.jobs.db import DbRetry, make_engine
+    from worker.jobs.store import JobStore
 
     engine = make_engine(settings.database_url, pool_size=1)
     store = JobStore(

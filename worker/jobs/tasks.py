@@ -1,7 +1,7 @@
 """The render task: claim the row, render on the worker's NodeEngine under a heartbeated lease, end the row.
 
 Who calls: Celery runs :func:`register_tasks`' ``longtake.render_job(job_id)`` (registered by
-:func:`worker.celery_app.create_celery_app`); tests may call :meth:`JobWorker.run` directly. One
+:func:`worker.jobs.celery_app.create_celery_app`); tests may call :meth:`JobWorker.run` directly. One
 :class:`JobWorker` per process holds the DB engine, the store and the :class:`NodeExecutor` (the
 node's warm rank processes, started by the first job); nothing else survives a task.
 
@@ -41,13 +41,21 @@ from celery import Celery
 
 from pipeline.errors import InvalidInputError
 from pipeline.media_types import Fragment, FrameSink, InitSegment
-from worker import metrics
-from worker.db import DbRetry, make_engine
+from worker.jobs import metrics
+from worker.jobs.db import DbRetry, make_engine
+from worker.jobs.store import (
+    JobRecord,
+    JobStore,
+    Lease,
+    LeaseLostError,
+    Progress,
+    SegmentFields,
+    SegmentRecord,
+)
 from worker.logging import job_context, set_chunk
 from worker.runner import NodeExecutor, RenderJob, RenderOutcome
 from worker.settings import Settings
 from worker.spec import JobSpec, resolve_file_uri
-from worker.store import JobRecord, JobStore, Lease, LeaseLostError, Progress, SegmentFields, SegmentRecord
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +109,7 @@ class _BestEffortSink:
 
 
 class _S3Delivery:
-    """Adapter from :class:`worker.delivery.S3ProgressiveSink` to :class:`JobDelivery`."""
+    """Adapter from :class:`worker.delivery.s3_sink.S3ProgressiveSink` to :class:`JobDelivery`."""
 
     def __init__(
         self,
@@ -113,8 +121,8 @@ class _S3Delivery:
         committed: Sequence[SegmentRecord],
         on_commit: Callable[[SegmentFields], None],
     ) -> None:
-        from worker.delivery import CommittedSegment, S3ProgressiveSink
-        from worker.storage import job_prefix, open_object_store
+        from worker.delivery.s3_sink import CommittedSegment, S3ProgressiveSink
+        from worker.delivery.storage import job_prefix, open_object_store
 
         self.store = open_object_store(settings.object_store_url, endpoint_url=settings.s3_endpoint_url)
         self.prefix = job_prefix(tenant, job_id)
@@ -128,8 +136,8 @@ class _S3Delivery:
         )
         self.sinks: Sequence[FrameSink] = [self.sink]
         if spec.preview.kvs is not None:
-            from worker.kvs.putmedia import PutMediaClient
-            from worker.kvs_sink import KVSPreviewSink
+            from worker.delivery.kvs.putmedia import PutMediaClient
+            from worker.delivery.kvs.sink import KVSPreviewSink
 
             client = PutMediaClient(
                 spec.preview.kvs.stream_name,
@@ -500,7 +508,7 @@ class JobWorker:
         return "failed"
 
     def _publish(self, job_id: str) -> None:
-        from worker.celery_app import enqueue_render
+        from worker.jobs.celery_app import enqueue_render
 
         if self.celery is None:
             log.warning("no Celery app: requeued job %s waits for the next message", job_id)
@@ -534,7 +542,7 @@ class JobWorker:
             if not path.is_file():
                 raise InvalidInputError(f"{field}: {uri!r} does not exist or is not a file", field=field)
             return path
-        from worker.storage import ObjectNotFoundError, open_object_store
+        from worker.delivery.storage import ObjectNotFoundError, open_object_store
 
         if parts.scheme == "s3":
             store = open_object_store(f"s3://{parts.netloc}", endpoint_url=self.settings.s3_endpoint_url)
@@ -555,7 +563,7 @@ class JobWorker:
 
 def register_tasks(celery: Celery) -> None:
     """Register ``longtake.render_job`` on ``celery`` (its conf carries ``longtake_settings``)."""
-    from worker.celery_app import RENDER_TASK_NAME
+    from worker.jobs.celery_app import RENDER_TASK_NAME
 
     @celery.task(
         name=RENDER_TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True

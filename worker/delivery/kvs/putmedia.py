@@ -4,7 +4,7 @@ PutMedia is one long-lived HTTP/1.1 POST to ``<data endpoint>/putMedia`` whose b
 stream sent with chunked transfer encoding, while the response body streams back JSON ACK events
 (one object per fragment stage: BUFFERING, RECEIVED, PERSISTED, ERROR, IDLE), separated by newlines.
 
-Who calls what: :class:`worker.kvs_sink.KVSPreviewSink` makes one :class:`PutMediaClient`, asks it
+Who calls what: :class:`worker.delivery.kvs.sink.KVSPreviewSink` makes one :class:`PutMediaClient`, asks it
 for the data endpoint (GetDataEndpoint through boto3's ``kinesisvideo`` client) and opens a
 :class:`PutMediaConnection` per session (again after a retriable error). ``send`` writes one HTTP
 chunk; a reader thread parses ACKs as they arrive and hands each to ``on_ack`` (on that thread).

@@ -2,7 +2,7 @@
 
 Who calls what: the worker opens one store per process with :func:`open_object_store` (from
 ``Settings``), builds a job's key prefix with :func:`job_prefix` and every object name under it with
-:func:`safe_key`; :class:`worker.delivery.S3ProgressiveSink` uploads segments, playlist, resume states
+:func:`safe_key`; :class:`worker.delivery.s3_sink.S3ProgressiveSink` uploads segments, playlist, resume states
 and the final MP4 through it; the API presigns downloads. Keys passed to a store are *relative* to
 the store's own root (``s3://bucket/<base prefix>/`` or ``file:///dir/``); both stores reject keys that
 could escape that root, so a caller-supplied name can never reach another tenant's objects.

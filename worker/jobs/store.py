@@ -2,7 +2,7 @@
 
 Who calls what:
 - the API / client / CLI: :meth:`JobStore.create`, :meth:`get`, :meth:`list`, :meth:`request_cancel`;
-- the Celery task (:mod:`worker.tasks`): :meth:`claim`, :meth:`heartbeat`, :meth:`commit_segment`
+- the Celery task (:mod:`worker.jobs.tasks`): :meth:`claim`, :meth:`heartbeat`, :meth:`commit_segment`
   (from the delivery sink's ``on_commit``), :meth:`finish`, :meth:`fail`, :meth:`requeue`,
   :meth:`mark_cancelled`, :meth:`cancel_requested`;
 - the reaper (a thread in every worker, or ``longtake reap``): :meth:`requeue_expired`.
@@ -18,7 +18,7 @@ Clocks: lease expiry is computed from the calling host's UTC clock, so worker ho
 skew shortens or lengthens leases by the skew, it never lets two tokens be valid at once (the token,
 not the clock, fences writes).
 
-Retries: each public method runs under :class:`worker.db.DbRetry` (connection loss only) and is
+Retries: each public method runs under :class:`worker.jobs.db.DbRetry` (connection loss only) and is
 written so that repeating it after an unknown outcome is harmless (see the per-method notes).
 Nothing here holds a session between calls.
 """
@@ -39,9 +39,9 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from worker.db import DbRetry
+from worker.jobs.db import DbRetry
+from worker.jobs.tables import JobRow, SegmentRow
 from worker.spec import JobSpec
-from worker.tables import JobRow, SegmentRow
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class Progress:
 
 
 class SegmentFields(Protocol):
-    """What :meth:`JobStore.commit_segment` reads (``worker.delivery.CommittedSegment`` has it)."""
+    """What :meth:`JobStore.commit_segment` reads (``worker.delivery.s3_sink.CommittedSegment`` has it)."""
 
     @property
     def index(self) -> int: ...
@@ -101,7 +101,7 @@ class SegmentFields(Protocol):
 
 @dataclass(frozen=True)
 class SegmentRecord:
-    """A committed segment as stored (same fields as ``worker.delivery.CommittedSegment``)."""
+    """A committed segment as stored (same fields as ``worker.delivery.s3_sink.CommittedSegment``)."""
 
     index: int
     key: str
