@@ -190,8 +190,8 @@ class JobSpec(BaseModel):
     idempotency_key: str | None = Field(
         default=None, description="Client key; a second submission with the same key returns the first job"
     )
-    output: OutputSpec = Field(default_factory=OutputSpec)  # type: ignore[arg-type]
-    preview: PreviewSpec = Field(default_factory=PreviewSpec)  # type: ignore[arg-type]
+    output: OutputSpec = Field(default_factory=OutputSpec)
+    preview: PreviewSpec = Field(default_factory=PreviewSpec)
 
     @field_validator("image", "audio")
     @classmethod

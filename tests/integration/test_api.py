@@ -28,11 +28,13 @@ from sqlalchemy.engine import Engine
 from tests.integration import kvs_standin
 from tests.integration.s3_fixtures import MotoServer
 from worker.api import app as api_module
-from worker.api.app import create_app, upload_key
+from worker.api.app import create_app
 from worker.client import LongtakeAPIError, LongtakeClient
-from worker.delivery.storage import LocalObjectStore, ObjectStore, job_prefix
-from worker.jobs.celery_app import RENDER_TASK_NAME, create_celery_app
+from worker.delivery.keys import job_prefix, upload_key
+from worker.delivery.local_store import LocalObjectStore
+from worker.delivery.object_store import ObjectStore
 from worker.jobs.db import make_engine, migrate
+from worker.jobs.queue import RENDER_TASK_NAME, create_celery_app
 from worker.jobs.store import JobStore
 from worker.settings import Settings
 

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from tests.integration.delivery_media import make_sample
+from worker.delivery.keys import job_prefix
+from worker.delivery.local_store import LocalObjectStore
 from worker.delivery.s3_sink import S3ProgressiveSink
-from worker.delivery.storage import LocalObjectStore, job_prefix
 
 pytestmark = pytest.mark.integration
 

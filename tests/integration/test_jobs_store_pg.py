@@ -8,8 +8,11 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from worker.delivery.segment import SegmentRecord
+from worker.errors import LeaseLostError
 from worker.jobs.db import make_engine
-from worker.jobs.store import JobStore, Lease, LeaseLostError, SegmentRecord
+from worker.jobs.records import Lease
+from worker.jobs.store import JobStore
 from worker.spec import JobSpec
 
 pytestmark = pytest.mark.integration

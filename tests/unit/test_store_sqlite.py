@@ -10,8 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from worker.delivery.segment import SegmentRecord
+from worker.errors import LeaseLostError
 from worker.jobs.db import make_engine, migrate
-from worker.jobs.store import JobStore, LeaseLostError, Progress, SegmentRecord
+from worker.jobs.records import Progress
+from worker.jobs.store import JobStore
 from worker.spec import JobSpec
 
 SPEC = JobSpec.model_validate(

@@ -50,10 +50,14 @@ from worker.client import (
     ProgressView,
     SegmentView,
 )
+from worker.delivery.keys import job_prefix, parse_upload_uri, safe_key, upload_key
+from worker.delivery.object_store import ObjectStore
 from worker.delivery.s3_sink import PLAYLIST_NAME, presigned_playlist
-from worker.delivery.storage import ObjectNotFoundError, ObjectStore, job_prefix, open_object_store, safe_key
-from worker.jobs.celery_app import create_celery_app, enqueue_render
-from worker.jobs.store import JobRecord, JobStatus, JobStore
+from worker.delivery.storage import open_object_store
+from worker.errors import ObjectNotFoundError
+from worker.jobs.queue import create_celery_app, enqueue_render
+from worker.jobs.records import JobRecord, JobStatus
+from worker.jobs.store import JobStore
 from worker.settings import Settings
 from worker.spec import JobSpec, spec_context
 
@@ -64,7 +68,7 @@ JOB_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
 _JOB_ID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 _UPLOAD_FIELDS = ("image", "audio")
 
-__all__ = ["ApiError", "create_app", "upload_key"]
+__all__ = ["ApiError", "create_app"]
 
 
 class ApiError(Exception):
@@ -85,15 +89,6 @@ class ApiError(Exception):
         self.message = message
         self.errors = list(errors)
         self.headers = headers or {}
-
-
-def upload_key(tenant: str, upload_id: str) -> str:
-    """Object key of an ``upload://<upload_id>`` input of ``tenant`` (the worker reads the same)."""
-    return f"tenants/{tenant}/uploads/{upload_id}"
-
-
-def _upload_id(uri: str) -> str | None:
-    return uri[len("upload://") :].rstrip("/") if uri.startswith("upload://") else None
 
 
 def _field_errors(exc: ValidationError, *, known_fields: Sequence[str]) -> list[dict[str, str]]:
@@ -351,7 +346,7 @@ def _parse_spec(deps: _Deps, data: object, tenant: str) -> JobSpec:
         errors = _field_errors(exc, known_fields=list(JobSpec.model_fields))
         raise ApiError(422, "invalid_spec", "; ".join(e["message"] for e in errors), errors=errors) from exc
     for field in _UPLOAD_FIELDS:
-        upload_id = _upload_id(getattr(spec, field))
+        upload_id = parse_upload_uri(getattr(spec, field))
         if upload_id is not None and not deps.objects.exists(upload_key(tenant, upload_id)):
             raise ApiError(
                 422,
@@ -378,7 +373,7 @@ def _create_and_enqueue(
     created = spec.idempotency_key is None or rec.created_at >= started
     if not created:
         existing = rec.spec.model_dump(mode="json")
-        ignore = [f for f in _UPLOAD_FIELDS if _upload_id(getattr(spec, f)) is not None] if uploaded else []
+        ignore = [f for f in _UPLOAD_FIELDS if parse_upload_uri(getattr(spec, f)) is not None] if uploaded else []
         for key in uploaded:  # the replay reuses the first submission's inputs
             deps.objects.delete(key)
         if not _same_request(existing, spec, ignore=ignore):

@@ -215,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _settings() -> Settings:
     from worker.settings import Settings
 
-    return Settings()  # type: ignore[call-arg]  # every field has a default; values come from env
+    return Settings()  # every field has a default; values come from the environment
 
 
 def _client(args: argparse.Namespace) -> LongtakeClient:
@@ -410,7 +410,7 @@ def cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
     from worker.api.app import create_app
-    from worker.jobs.celery_app import create_celery_app
+    from worker.jobs.queue import create_celery_app
 
     settings = _settings()
     celery = create_celery_app(settings)
@@ -434,8 +434,9 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_reap(args: argparse.Namespace) -> int:
-    from worker.jobs.celery_app import create_celery_app, reap_once
     from worker.jobs.db import make_engine
+    from worker.jobs.queue import create_celery_app
+    from worker.jobs.reaper import reap_once
     from worker.jobs.store import JobStore
 
     settings = _settings()

@@ -29,6 +29,8 @@ from botocore.auth import SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.config import Config
 
+from pipeline.errors import SinkError
+
 logger = logging.getLogger(__name__)
 
 # KVS PutMedia error ids (API reference, "ErrorId" of ERROR acks) that a new session may cure.
@@ -59,7 +61,12 @@ class AckEvent:
         return self.error_id in RETRIABLE_ERROR_IDS
 
 
-class PutMediaError(Exception):
+class PutMediaError(SinkError):
+    """A PutMedia session could not be opened or went away; ``retryable``: a new session may work.
+    Handled inside :class:`worker.delivery.kvs.sink.KVSPreviewSink` (the preview never fails a render)."""
+
+    code = "kvs_preview"
+
     def __init__(self, message: str, *, retryable: bool) -> None:
         super().__init__(message)
         self.retryable = retryable
