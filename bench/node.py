@@ -31,8 +31,9 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from pipeline.families import FAMILIES
 from pipeline.placement.engine import EngineConfig, NodeEngine
-from pipeline.placement.loaders import preset_loaders
+from pipeline.placement.loaders import family_loaders
 from pipeline.placement.rank import RankContext
 
 
@@ -169,7 +170,8 @@ def run(
     config = EngineConfig(
         world_size=ranks,
         device_type=device,
-        loaders=preset_loaders(preset, ["a2v", "sr"], dtype=dtype, build_on_device=device == "cuda"),
+        loaders=family_loaders(FAMILIES.get("tiny"), preset, ["a2v", "sr"], random_init=True, dtype=dtype,
+                               build_on_device=device == "cuda"),
         park=park,
         threads_per_rank=1 if device == "cpu" else 4,
     )

@@ -3,6 +3,8 @@
 ``render_for_quality`` starts the render on a thread and returns at once with a generator of frames
 (tapped before encoding, in timeline order) and the seam positions of the plan; the frames of a
 10-minute render never sit in memory together. The MP4 is written to ``out_dir`` as a by-product.
+This is the only renderer ``bench.quality`` scores (the training-time copy of the loop is gone):
+``LONGTAKE_QUALITY_PRESET`` picks the preset, ``LONGTAKE_EVAL_CHECKPOINT`` another checkpoint.
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ def render_for_quality(image: Path, audio: Path, seconds: float, use_i_chunks: b
 
     def run() -> None:
         try:
+            checkpoint = os.environ.get("LONGTAKE_EVAL_CHECKPOINT") or None
             request = RenderRequest(image=image, audio=audio, seed=0, preset=preset.name,
-                                    use_i_chunks=use_i_chunks)
+                                    checkpoint=Path(checkpoint) if checkpoint else None, use_i_chunks=use_i_chunks)
             render(request, [FileSink(out_dir / "render.mp4")], frame_tap=tap)
             parts.put(None)
         except BaseException as exc:  # surfaced to the consumer

@@ -26,7 +26,8 @@ from bench.inputs import DEMO_IMAGE, speech_wav
 
 def run_once(preset: str, seconds: float, mode: str, threads: int | None, image: Path | None,
              checkpoint: Path | None, seed: int, overlap: bool = True) -> dict[str, object]:
-    from pipeline.family import get_family
+    from pipeline.families import FAMILIES
+    from pipeline.family_runtime import WARM_FAMILIES
     from pipeline.host import default_threads
     from pipeline.render import RenderRequest, render
     from pipeline.sinks import FileSink
@@ -37,7 +38,7 @@ def run_once(preset: str, seconds: float, mode: str, threads: int | None, image:
         out = Path(tmp) / "out.mp4"
         request = RenderRequest(image=image or DEMO_IMAGE, audio=audio, seed=seed, preset=preset,
                                 checkpoint=checkpoint)
-        family = get_family(preset, checkpoint)
+        family = WARM_FAMILIES.get(FAMILIES.get(request.family), preset, checkpoint)
         family.overlap_emissions = overlap
         r = render(request, [FileSink(out)], mode=mode, family=family)  # type: ignore[arg-type]
         out_bytes = out.stat().st_size

@@ -1,7 +1,8 @@
 """Checkpoints: one safetensors file holding every module, keys prefixed by the module's role.
 
-Who calls what: ``build_modules`` builds a preset's modules with seeded random init (training starts
-here; the 1.3b / 14b presets stay random); training saves with ``save_checkpoint``; the pipeline's
+Who calls what: ``build_module`` / ``build_modules`` build a preset's modules with seeded random init
+(training starts here, and so does the framework's tiny family, in process and on every rank; the
+1.3b / 14b presets stay random); training saves with ``save_checkpoint``; the pipeline's
 module loader calls ``load_checkpoint`` with the modules it needs on this process (a subset is fine:
 keys of modules not passed are skipped). Every problem raises :class:`CheckpointError` naming the file,
 the first few keys involved and the fix; nothing is loaded half-way on error (all checks run first).
@@ -38,28 +39,41 @@ def _first(keys: list[str]) -> str:
     return ", ".join(keys[:_SHOW]) + more
 
 
-def build_modules(preset: ModelPreset, seed: int = 0) -> dict[str, nn.Module]:
-    """Seeded random init of every module of ``preset`` (deterministic for a seed, on CPU).
-
-    Each module draws from its own seed (``seed * 16 + position``), so adding or dropping the text
-    encoder never changes the others' weights. The global RNG state is left as it was. Build on
-    ``torch.device("meta")`` (as a context manager) to count parameters without allocating.
-    """
-    makers: list[tuple[str, Callable[[], nn.Module]]] = [
-        ("a2v", lambda: A2VDiT(preset.dit)),
-        ("sr", lambda: SRDiT(preset.sr)),
-        ("vae", lambda: CausalVAE(preset.vae)),
-        ("audio", lambda: AudioEncoder(preset.audio)),
-    ]
+def module_factories(preset: ModelPreset) -> dict[str, Callable[[], nn.Module]]:
+    """How each module of ``preset`` is made, in ``MODULE_NAMES`` order ("text" only if the preset has one)."""
+    makers: dict[str, Callable[[], nn.Module]] = {
+        "a2v": lambda: A2VDiT(preset.dit),
+        "sr": lambda: SRDiT(preset.sr),
+        "vae": lambda: CausalVAE(preset.vae),
+        "audio": lambda: AudioEncoder(preset.audio),
+    }
     if preset.text is not None:
         text_cfg = preset.text
-        makers.append(("text", lambda: TextEncoder(text_cfg)))
-    out: dict[str, nn.Module] = {}
-    for i, (name, make) in enumerate(makers):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed * 16 + i)
-            out[name] = make()
-    return out
+        makers["text"] = lambda: TextEncoder(text_cfg)
+    return makers
+
+
+def build_module(preset: ModelPreset, name: str, seed: int = 0) -> nn.Module:
+    """Seeded random init of module ``name`` of ``preset``: the one weight builder of the reference family.
+
+    The module draws from its own seed (``seed * 16 + MODULE_NAMES.index(name)``), so building one
+    module alone (a rank loading only the A2V DiT) gives the weights :func:`build_modules` gives, and
+    adding or dropping the text encoder never changes the others. The global RNG state is left as it
+    was. Build under ``torch.device("meta")`` (a context manager) to count parameters without
+    allocating, under ``torch.device("cuda")`` to initialise on the GPU.
+    """
+    makers = module_factories(preset)
+    if name not in makers:
+        raise KeyError(f"preset {preset.name!r} has no module {name!r}; its modules: {list(makers)}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed * 16 + MODULE_NAMES.index(name))
+        return makers[name]()
+
+
+def build_modules(preset: ModelPreset, seed: int = 0) -> dict[str, nn.Module]:
+    """Seeded random init of every module of ``preset`` (deterministic for a seed): :func:`build_module`
+    of each name. Training starts here; the 1.3b / 14b presets stay random."""
+    return {name: build_module(preset, name, seed) for name in module_factories(preset)}
 
 
 def save_checkpoint(

@@ -14,7 +14,7 @@ next step, and the publisher encodes the emission before — three lanes on as m
 over through a queue of one. The emission stages see the same values and the rolling state as of
 their step, so the frames and resume snapshots are exactly those of the sequential loop. Off for
 families whose models are sharded or parked across ranks (their collectives must be issued in the
-same order on every rank: ``AvatarFamily.overlap_emissions``).
+same order on every rank: ``ModelFamily.overlap_emissions``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from pipeline.publish import Publisher
 from pipeline.request import RenderProgress
 from pipeline.schedule import ChunkKind, ChunkPlan, ChunkStep, Emission
 from pipeline.stage import Phase, Port, Scope, Stage, Values
-from pipeline.stages.common import Timings
+from pipeline.stage_common import Timings
 from pipeline.state import RollingState
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,12 @@
-"""The ports of the reference avatar pipeline: one place that names every shared value.
+"""The framework's ports: the values every family's pipeline shares with the chunk loop.
 
-Producers and consumers import the same :class:`~pipeline.stage.Port` objects, so a typo is an
-ImportError, not a silent miss. ``job`` values live for the request, ``chunk`` values for one step.
+``render()`` provides the request's values (reference image, audio, text, seed); the pipeline
+provides the plan, the rolling state, the step and the emission. Every family's step stages must
+produce :data:`STEP_LATENTS` (the low-res latents of ``step.generate``, which the rolling state keeps)
+and its last emission stage :data:`FRAMES`. A family's own values are declared in its own
+``ports.py`` (``pipeline/families/<name>/ports.py``). Producers and consumers import the same
+:class:`~pipeline.stage.Port` objects, so a typo is an ImportError, not a silent miss. ``job``
+values live for the request, ``chunk`` values for one step.
 """
 
 from __future__ import annotations
@@ -42,27 +47,8 @@ STEP = Port("step", ChunkStep, C, "the plan step being run")
 EMISSION = Port("emission", Emission, C, "the timeline range made final by this step")
 EMISSION_LATENTS = Port("emission_latents", torch.Tensor, C, "low-res latents_BCThw of the emission")
 
-# context stage
-REF_LATENT = Port("ref_latent", torch.Tensor, J, "reference hr latent_BCHW (encoded once)")
-REF_LOWRES = Port("ref_lowres", torch.Tensor, J, "reference low-res latent_BC1hw (N_0's known frame)")
-TEXT_TOKENS = Port("text_tokens", torch.Tensor, J, "text tokens_BND", optional=True)
-TEXT_MASK = Port("text_mask", torch.Tensor, J, "text mask_BN", optional=True)
-AUDIO_GAIN = Port("audio_gain", float, J, "loudness normalisation gain for the model's audio input")
-AUDIO_FEATS = Port("audio_feats", torch.Tensor, C, "audio features_BTD of the step's window")
-AUDIO_FEATS_SILENT = Port("audio_feats_silent", torch.Tensor, C,
-                          "features_BTD of silence over the step's window: audio guidance's unconditional input",
-                          optional=True)
-NOISE = Port("noise", torch.Tensor, C, "initial noise_BCThw of the step's window")
-
-# a2v stage
-A2V_CONTEXT = Port("a2v_context", tuple, J, "(reference + text tokens, mask) the DiT attends to; per job")
+# produced by every family's stages, read by the chunk loop
 STEP_LATENTS = Port("step_latents", torch.Tensor, C, "low-res latents_BCThw of step.generate")
-
-# sr stage
-SR_REF_TOKENS = Port("sr_ref_tokens", torch.Tensor, J, "reference tokens of the SR DiT; per job")
-EMISSION_HR = Port("emission_hr", torch.Tensor, C, "hr latents_BCThw of the emission")
-
-# decode stage
 FRAMES = Port("frames", np.ndarray, C, "decoded RGB frames THWC uint8 of the emission")
 
 PIPELINE_INPUTS = (REFERENCE_RGB, AUDIO, TEXT, SEED, PLAN, ROLLING, STEP, EMISSION, EMISSION_LATENTS)

@@ -1,8 +1,9 @@
 """``render``: the one entry point every caller uses (CLI, worker, benchmarks, tests).
 
-It validates the inputs, plans the chunks, builds (or reuses) the warm model family, and runs the
-pipeline into the caller's sinks. It knows nothing of where the inputs came from or where the
-fragments go.
+It validates the inputs, resolves the request's model family by name (``pipeline.families.FAMILIES``),
+plans the chunks, builds (or reuses) the family's warm runtime, and runs its pipeline into the
+caller's sinks. It knows nothing of where the inputs came from or where the fragments go, nor of any
+particular family.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import numpy as np
 from pipeline import ports as P
 from pipeline.encode import FragmentEncoder
 from pipeline.errors import InvalidInputError
-from pipeline.family import AvatarFamily, get_family
+from pipeline.families import FAMILIES
+from pipeline.family_runtime import WARM_FAMILIES, FamilyRuntime
 from pipeline.host import peak_rss_bytes
 from pipeline.inputs import AudioSource, load_reference_image
 from pipeline.media_types import FrameSink
@@ -51,19 +53,25 @@ def render(
     on_progress: Callable[[RenderProgress], None] | None = None,
     device: str = "cpu",
     frame_tap: Callable[[int, np.ndarray], None] | None = None,
-    family: AvatarFamily | None = None,
+    family: FamilyRuntime | None = None,
 ) -> RenderResult:
     """Render ``request`` into ``sinks``; see ``docs/architecture.md`` for the contract.
 
     ``frame_tap(first_frame, frames_THWC)`` sees every published frame before encoding (quality
-    metrics, tests); it must not keep the array. ``family``: the models to render with (a NodeEngine
-    rank passes one over its sharded modules); default: this process's warm
-    ``get_family(request.preset, request.checkpoint, device=device)``.
+    metrics, tests); it must not keep the array. ``family``: the runtime to render with (a NodeEngine
+    rank passes one over its sharded modules); default: this process's warm runtime of the family
+    ``request.family`` names (``WARM_FAMILIES.get(FAMILIES.get(request.family), request.preset,
+    request.checkpoint, device=device)``).
     """
     t0 = time.perf_counter()
     validate_request(request)
     if family is None:
-        family = get_family(request.preset, request.checkpoint, device=device)
+        family = WARM_FAMILIES.get(FAMILIES.get(request.family), request.preset, request.checkpoint, device=device)
+    elif family.family.name != request.family:
+        raise InvalidInputError(
+            f"family={request.family!r} but the runtime passed to render() is of family "
+            f"{family.family.name!r}: request the family the runtime (the engine's loaders) was built for",
+            field="family")
     elif family.preset.name != request.preset:
         raise InvalidInputError(
             f"preset={request.preset!r} but the family passed to render() is {family.preset.name!r}: "

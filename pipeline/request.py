@@ -6,8 +6,17 @@ fake_pipeline.py``) import these without loading the models.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from pipeline.media_types import FrameSink
+
+if TYPE_CHECKING:
+    from pipeline.family_runtime import FamilyRuntime
+
+RenderMode = Literal["streaming", "batch"]
 
 
 @dataclass(frozen=True)
@@ -16,7 +25,8 @@ class RenderRequest:
     audio: Path
     text: str | None = None
     seed: int = 0
-    preset: str = "tiny"
+    family: str = "tiny"  # a name registered in pipeline.families.FAMILIES
+    preset: str = "tiny"  # one of the family's presets
     checkpoint: Path | None = None
     use_i_chunks: bool = True  # False renders the N-only baseline (for seam measurements)
 
@@ -42,3 +52,22 @@ class RenderResult:
     encode_s: float = 0.0
     num_fragments: int = 0
     random_init: bool = False
+
+
+class Renderer(Protocol):
+    """``render()``'s contract (``pipeline.render.render`` is the implementation; tests plug in
+    stand-ins). A NodeEngine rank calls it with the rank's device and, for a sharded render, the
+    family over the rank's engine-loaded modules; a renderer that has no models ignores both."""
+
+    def __call__(
+        self,
+        request: RenderRequest,
+        sinks: Sequence[FrameSink],
+        *,
+        mode: RenderMode = "streaming",
+        resume_state: bytes | None = None,
+        should_cancel: Callable[[], bool] | None = None,
+        on_progress: Callable[[RenderProgress], None] | None = None,
+        device: str = "cpu",
+        family: FamilyRuntime | None = None,
+    ) -> RenderResult: ...

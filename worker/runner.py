@@ -1,14 +1,14 @@
 """Runs one render attempt on this worker's NodeEngine (persistent, warm rank processes).
 
-Who calls: :mod:`worker.jobs.tasks` — :class:`JobWorker` owns one :class:`NodeExecutor` for the life of
+Who calls: :mod:`worker.tasks` — :class:`JobWorker` owns one :class:`NodeExecutor` for the life of
 the worker process (started lazily by the first job, on the task's thread: in the prefork pool that
 is the pool child, never the Celery parent). Per attempt it builds a :class:`RenderJob` (plain,
 picklable) and the job's sinks, then calls :meth:`NodeExecutor.run` on the task's thread.
 
-Every rank runs :func:`render_attempt` (``Settings.render_entry`` through
-:func:`pipeline.placement.render_job.render_entry_job`, with the worker's JSON logging); rank 0
-publishes init/fragments/close and progress, which arrive here in order and are relayed to the
-real sinks (uploads and lease-fenced commits happen in this process, next to the job row). The
+Every rank runs :func:`render_attempt` (:func:`pipeline.placement.render_job.render_on_rank` with
+the worker's JSON logging) on the typed :class:`RenderJob`; rank 0 publishes init/fragments/close
+and progress (``RenderEvent``), which arrive here in order and are relayed by the one
+:class:`~pipeline.placement.relay.SinkRelay` to the real sinks (uploads and lease-fenced commits happen in this process, next to the job row). The
 ranks keep their modules between jobs, so the model family is loaded once per worker, not per job.
 
 Stopping: ``stop_reason`` is polled; on ``"cancel"`` or ``"lease_lost"`` the job's cancel flag is
@@ -27,14 +27,17 @@ import logging
 import multiprocessing as mp
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from multiprocessing.process import AuthenticationString as _AuthKey  # type: ignore[attr-defined]
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pipeline.errors import RenderError
-from pipeline.media_types import Fragment, FrameSink, InitSegment
+from pipeline.media_types import Fragment, FrameSink
+from pipeline.placement.relay import SinkRelay
+from pipeline.placement.render_job import RankRenderRequest, RankRenderResult, WarmReport
+from pipeline.request import RenderProgress, RenderResult
 from worker.jobs import metrics
 
 if TYPE_CHECKING:  # torch is imported only where the engine is used, never by the Celery parent
@@ -46,42 +49,16 @@ if TYPE_CHECKING:  # torch is imported only where the engine is used, never by t
 log = logging.getLogger(__name__)
 
 OutcomeStatus = Literal["succeeded", "cancelled", "failed", "stopped"]
-RANK_JOB = "worker.runner:render_attempt"
 
 
 @dataclass(frozen=True)
 class RenderJob:
-    """Everything the ranks need (picklable; paths are local files already fetched)."""
+    """One attempt for the ranks (picklable; the request's paths are local files already fetched)."""
 
     job_id: str
-    entry: str
-    image: str
-    audio: str
-    text: str | None
-    seed: int
-    preset: str
-    checkpoint: str | None
-    resume_state: bytes | None
+    render: RankRenderRequest
     log_level: str = "INFO"
     log_json: bool = True
-
-    def payload(self) -> dict[str, object]:
-        return {
-            "job_id": self.job_id,
-            "entry": self.entry,
-            "request": {
-                "image": self.image,
-                "audio": self.audio,
-                "text": self.text,
-                "seed": self.seed,
-                "preset": self.preset,
-                "checkpoint": self.checkpoint,
-            },
-            "resume_state": self.resume_state,
-            "mode": "streaming",
-            "log_level": self.log_level,
-            "log_json": self.log_json,
-        }
 
 
 @dataclass(frozen=True)
@@ -92,25 +69,26 @@ class RenderOutcome:
     code: str | None = None
     message: str | None = None
     retryable: bool = False
-    result: dict[str, Any] | None = None
-    warm: dict[str, Any] | None = None
+    result: RenderResult | None = None
+    warm: WarmReport | None = None
 
 
 # ------------------------------------------------------------------------------------------ rank side
 _logging_configured = False
 
 
-def render_attempt(ctx: RankContext, payload: Mapping[str, object]) -> dict[str, object]:
-    """The rank job of the worker: the render entry with the worker's logging (job id on records)."""
+def render_attempt(ctx: RankContext, job: RenderJob) -> RankRenderResult:
+    """The rank job of the worker: :func:`render_on_rank` with the worker's logging (job id on
+    records)."""
     global _logging_configured
-    from pipeline.placement.render_job import render_entry_job
+    from pipeline.placement.render_job import render_on_rank
     from worker.logging import configure_logging, job_context
 
     if not _logging_configured:
-        configure_logging(str(payload.get("log_level", "INFO")), json_lines=bool(payload.get("log_json", True)))
+        configure_logging(job.log_level, json_lines=job.log_json)
         _logging_configured = True
-    with job_context(str(payload["job_id"])):
-        return render_entry_job(ctx, payload)
+    with job_context(job.job_id):
+        return render_on_rank(ctx, job.render)
 
 
 # --------------------------------------------------------------------------------------- parent side
@@ -145,57 +123,6 @@ class _Stalled(Exception):
     engine kills them and the attempt ends retryable (``render_stalled``)."""
 
 
-class _Relay:
-    """Replays rank 0's events onto the sinks and callbacks (on the task's thread)."""
-
-    def __init__(
-        self,
-        sinks: Sequence[FrameSink],
-        on_progress: Callable[[dict[str, Any]], None] | None,
-        on_fragment: Callable[[Fragment], None] | None,
-    ) -> None:
-        self.sinks = list(sinks)
-        self.on_progress = on_progress
-        self.on_fragment = on_fragment
-        self.opened = False
-        self.closed = False
-
-    def on_event(self, event: object) -> None:
-        from pipeline.placement.relay import SinkClosed
-        from pipeline.placement.render_job import ProgressEvent
-
-        if isinstance(event, InitSegment):
-            self.opened = True
-            for sink in self.sinks:
-                sink.open(event)
-        elif isinstance(event, Fragment):
-            if self.on_fragment is not None:
-                self.on_fragment(event)
-            for sink in self.sinks:
-                sink.write(event)
-        elif isinstance(event, SinkClosed):
-            self.close(ok=event.ok, raise_errors=True)
-        elif isinstance(event, ProgressEvent):
-            if self.on_progress is not None:
-                self.on_progress(event.fields)
-        else:
-            raise TypeError(f"render rank published an unknown {type(event).__name__} event")
-
-    def close(self, *, ok: bool, raise_errors: bool = False) -> None:
-        self.closed = True
-        first: BaseException | None = None
-        for sink in self.sinks:
-            try:
-                sink.close(ok=ok)
-            except Exception as exc:
-                if first is None:
-                    first = exc
-                if not raise_errors:
-                    log.warning("closing sink %s (ok=%s) failed: %s", type(sink).__name__, ok, exc)
-        if raise_errors and first is not None:
-            raise first
-
-
 class NodeExecutor:
     """This worker process's NodeEngine and how one attempt runs on it. Not thread-safe: one
     attempt at a time (the worker renders one job at a time across its node)."""
@@ -209,8 +136,10 @@ class NodeExecutor:
         start_timeout_s: float = 600.0,
         preset: str = "tiny",
         checkpoint: Path | None = None,
+        family: str = "tiny",
     ) -> None:
         self.ranks = ranks
+        self.family = family
         self.preset = preset
         self.checkpoint = checkpoint
         self.device = device
@@ -223,12 +152,14 @@ class NodeExecutor:
     def engine(self) -> NodeEngine:
         """The engine (created on first use; ranks spawned by the first ``run``)."""
         if self._engine is None:
+            from pipeline.families import FAMILIES
             from pipeline.placement.engine import EngineConfig, NodeEngine
             from pipeline.placement.loaders import family_loaders
 
             # One rank renders with its own (lazily loaded, warm) family; several ranks shard the
-            # preset's large models across them, loaded once when the engine starts.
-            loaders = family_loaders(self.preset, checkpoint=self.checkpoint) if self.ranks > 1 else {}
+            # family's large models across them, loaded once when the engine starts.
+            loaders = (family_loaders(FAMILIES.get(self.family), self.preset, checkpoint=self.checkpoint)
+                       if self.ranks > 1 else {})
             self._engine = NodeEngine(
                 EngineConfig(
                     loaders=loaders,
@@ -255,7 +186,7 @@ class NodeExecutor:
         sinks: Sequence[FrameSink],
         *,
         stop_reason: Callable[[], str | None],
-        on_progress: Callable[[dict[str, Any]], None] | None = None,
+        on_progress: Callable[[RenderProgress], None] | None = None,
         on_fragment: Callable[[Fragment], None] | None = None,
         cancel_grace_s: float = 10.0,
         progress_timeout_s: float = 900.0,
@@ -268,7 +199,7 @@ class NodeExecutor:
         (a rank deadlocked, a collective that never returns) kills the ranks and ends the attempt
         as retryable ``render_stalled``.
         """
-        relay = _Relay(sinks, on_progress, on_fragment)
+        relay = SinkRelay(sinks, on_progress=on_progress, on_fragment=on_fragment)
         stop: list[str] = []
         stop_at: list[float] = []
         last_event = [time.monotonic()]
@@ -303,25 +234,25 @@ class NodeExecutor:
         outcome: RenderOutcome
         try:
             with _children_allowed():
+                engine.start()  # (re)spawning ranks is not the render's silence: start_timeout_s bounds it
+                last_event[0] = time.monotonic()
                 result = engine.run(
-                    RANK_JOB,
-                    job.payload(),
+                    render_attempt,
+                    job,
                     timeout_s=timeout_s,
                     on_event=on_event,
                     should_cancel=should_cancel,
                     poll_s=poll_s,
                 )
-            value = result.value if isinstance(result.value, dict) else {}
-            warm = value.get("warm")
-            rendered = value.get("result") or {}
+            rendered, warm = result.value.result, result.value.warm
             log.info(
                 "render done on engine generation %d (rank pids %s): %s",
                 engine.generation,
                 engine.pids,
                 warm,
-                extra={"warm": warm, "ttff_s": rendered.get("ttff_s"), "wall_s": rendered.get("wall_s")},
+                extra={"warm": asdict(warm), "ttff_s": rendered.ttff_s, "wall_s": rendered.wall_s},
             )
-            outcome = RenderOutcome(status="succeeded", result=value.get("result"), warm=warm)
+            outcome = RenderOutcome(status="succeeded", result=rendered, warm=warm)
             if not relay.closed:
                 outcome = RenderOutcome(
                     status="failed",

@@ -27,6 +27,8 @@ from urllib.parse import unquote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from pipeline.families import DEFAULT_FAMILY, FAMILIES
+
 TEXT_MAX_CHARS = 2000
 """Longest text/scene prompt accepted; longer prompts are truncated by no one — they are rejected."""
 
@@ -185,7 +187,10 @@ class JobSpec(BaseModel):
     seed: int = Field(
         default=0, ge=0, lt=2**63, description="Seed; the same seed and inputs give the same video"
     )
-    preset: str = Field(default="tiny", description="Model preset name (e.g. 'tiny')")
+    family: str = Field(
+        default=DEFAULT_FAMILY, description="Model family, a name registered in pipeline.families (e.g. 'tiny')"
+    )
+    preset: str = Field(default="tiny", description="Model preset name of the family (e.g. 'tiny')")
     priority: int = Field(default=5, ge=0, le=9, description="Queue priority 0 (lowest) to 9 (highest)")
     idempotency_key: str | None = Field(
         default=None, description="Client key; a second submission with the same key returns the first job"
@@ -209,6 +214,14 @@ class JobSpec(BaseModel):
             )
         if "\x00" in v:
             raise ValueError("text: contains a NUL character; remove it")
+        return v
+
+    @field_validator("family")
+    @classmethod
+    def _family(cls, v: str) -> str:
+        names = FAMILIES.names()
+        if v not in names:
+            raise ValueError(f"family: {v!r} is not a registered model family; use one of {list(names)}")
         return v
 
     @field_validator("preset")

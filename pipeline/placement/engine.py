@@ -6,8 +6,9 @@ NUMA node, joins a torch.distributed group (NCCL on GPUs, gloo on CPU) through a
 serves on 127.0.0.1, builds a 1-D device mesh and loads its modules. ``world_size=1`` runs the same
 code path (one spawned rank), so a CPU-only machine renders through the engine too.
 
-A job is a module-level function ``job(ctx: RankContext, payload) -> value``; :meth:`NodeEngine.run`
-sends it to every rank and returns rank 0's value. Rank 0 may publish events (frames, segments,
+A job is a module-level function ``job(ctx: RankContext, request) -> value`` (``RankJob``) with a
+typed, picklable request; :meth:`NodeEngine.run` sends both to every rank and returns rank 0's value
+(``JobResult[value]``). Rank 0 may publish events (frames, segments,
 progress) while the job runs; they reach ``on_event`` in the parent in order.
 
 Failures:
@@ -38,7 +39,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event as MpEvent
 from types import TracebackType
-from typing import NoReturn, cast
+from typing import Generic, NoReturn, TypeVar, cast
 
 import torch.distributed as dist
 import torch.multiprocessing as tmp
@@ -48,7 +49,8 @@ from pipeline.placement.rank import ModuleLoader, RankContext, RankError, RankRe
 
 logger = logging.getLogger(__name__)
 
-JobFn = Callable[[RankContext, Mapping[str, object]], object]
+Request = TypeVar("Request")
+Value = TypeVar("Value")
 EventCallback = Callable[[object], None]
 
 
@@ -88,9 +90,9 @@ class EngineConfig:
     """Rank processes (one per GPU; 1 on a CPU-only machine)."""
     device_type: str = "cpu"
     """"cuda" (NCCL, rank i on cuda:i) or "cpu" (gloo)."""
-    loaders: Mapping[str, ModuleLoader | str] = field(default_factory=dict)
+    loaders: Mapping[str, ModuleLoader] = field(default_factory=dict)
     """Module name -> its loader ``fn(ctx) -> nn.Module`` (picklable: module-level function or a
-    ``functools.partial`` of one) or the loader's "package.module:function" path. Run in order."""
+    ``functools.partial`` of one). Run in order."""
     threads_per_rank: int = 1
     """torch intra-op threads per rank (CPU ranks; GPU ranks need few)."""
     start_timeout_s: float = 600.0
@@ -112,10 +114,10 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
-class JobResult:
+class JobResult(Generic[Value]):
     """Rank 0's return value and each rank's figures for one job."""
 
-    value: object
+    value: Value
     ranks: tuple[RankReport, ...]
     wall_s: float
 
@@ -160,14 +162,14 @@ def _describe(obj: object, limit: int = 120) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({type(obj).__name__})"
 
 
-def job_path(job: JobFn | str) -> str:
-    """``"package.module:function"`` for a module-level job function (or the path itself)."""
-    if isinstance(job, str):
-        return job
+def job_name(job: Callable[..., object]) -> str:
+    """``"package.module:function"`` of a rank job; raises when it is not module-level (the ranks
+    unpickle a function by that name, so a local function or a lambda cannot reach them)."""
     qualname = getattr(job, "__qualname__", "")
-    if "<locals>" in qualname or "<lambda>" in qualname or not qualname:
-        raise ValueError(f"job {job!r} must be a module-level function (ranks import it by name)")
-    return f"{job.__module__}:{qualname}"
+    module = getattr(job, "__module__", None)
+    if not callable(job) or not qualname or not module or "<locals>" in qualname or "<lambda>" in qualname:
+        raise ValueError(f"job {job!r} must be a module-level function (the ranks import it by name)")
+    return f"{module}:{qualname}"
 
 
 class NodeEngine:
@@ -302,15 +304,15 @@ class NodeEngine:
     # -- jobs -------------------------------------------------------------------------------
     def run(
         self,
-        job: JobFn | str,
-        payload: Mapping[str, object],
+        job: Callable[[RankContext, Request], Value],
+        request: Request,
         *,
         timeout_s: float | None = None,
         on_event: EventCallback | None = None,
         should_cancel: Callable[[], bool] | None = None,
         poll_s: float = 0.2,
-    ) -> JobResult:
-        """Run ``job(ctx, payload)`` on every rank; return rank 0's value and per-rank figures.
+    ) -> JobResult[Value]:
+        """Run ``job(ctx, request)`` on every rank; return rank 0's value and per-rank figures.
 
         ``on_event`` receives what rank 0 publishes, in order, on this thread. If it raises, the job
         is asked to cancel (``ctx.cancel_requested()``) and the exception is re-raised once the ranks
@@ -320,7 +322,7 @@ class NodeEngine:
         job is stopped the hard way: the ranks are killed at once (the group restarts at the next
         job) and that exception propagates — the caller's way to enforce a cancel grace period.
         """
-        path = job_path(job)
+        path = job_name(job)
         self.start()  # no-op when up; restarts after a failure tore the group down
         group = self._group
         assert group is not None
@@ -331,7 +333,7 @@ class NodeEngine:
         deadline = started + timeout_s if timeout_s is not None else float("inf")
         for rank, conn in enumerate(group.conns):
             try:
-                conn.send(("job", job_id, path, dict(payload)))
+                conn.send(("job", job_id, job, request))
             except (BrokenPipeError, OSError):
                 self._fail_dead(rank, "before the job started")
         values: dict[int, object] = {}
@@ -384,7 +386,7 @@ class NodeEngine:
         if errors:
             raise self._job_error(path, errors, stuck=[])
         return JobResult(
-            values.get(0), tuple(reports[r] for r in sorted(reports)), time.monotonic() - started
+            cast(Value, values.get(0)), tuple(reports[r] for r in sorted(reports)), time.monotonic() - started
         )
 
     def _job_error(self, path: str, errors: dict[int, RankError], stuck: list[int]) -> RenderError:

@@ -3,14 +3,15 @@
 Who runs this: :class:`pipeline.placement.engine.NodeEngine` spawns :func:`rank_main` once per device
 (spawn start method: no CUDA state is inherited from the parent). The process binds NUMA, joins the
 process group, builds a 1-D device mesh, loads every module once through its loader, reports ready and
-then runs jobs until told to stop. A job is a module-level function ``job(ctx, payload) -> value``
-imported by its ``"package.module:function"`` path; every rank runs it (SPMD) and rank 0's return
-value goes back to the caller. Modules stay warm in ``ctx.modules`` between jobs.
+then runs jobs until told to stop. A job is a module-level function ``job(ctx, request) -> value``
+with a typed, picklable request; it crosses the pipe as pickle sends functions (by reference, so it
+must be importable at module level), every rank runs it (SPMD) and rank 0's return value goes back
+to the caller. Modules stay warm in ``ctx.modules`` between jobs.
 
 Messages (parent <- rank): ("ready", rank, info) | ("fatal", rank, text) once at start;
 ("event", job_id, obj) any number of times during a job (rank 0 publishing); ("done", job_id, rank,
-value, report) | ("error", job_id, rank, error) once per job. Parent -> rank: ("job", job_id, path,
-payload) | ("stop",).
+value, report) | ("error", job_id, rank, error) once per job. Parent -> rank: ("job", job_id, job,
+request) | ("stop",).
 
 Every message a rank sends goes through its :class:`RankOutbox`, one lock around the pipe: rank 0
 publishes from more than one thread (the render loop's progress, the publisher lane's fragments), and
@@ -21,7 +22,6 @@ interleave their bytes and the engine reads garbage (it then kills the ranks: se
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import pickle
@@ -36,6 +36,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler as _ForkingPickler
 from multiprocessing.synchronize import Event as MpEvent
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -111,6 +112,9 @@ ModuleLoader = Callable[[RankContext], nn.Module]
 may shard the module (``parallelize(model, ctx.mesh)``) and register it with ``ctx.parker``. A loader
 crosses the spawn boundary by pickling: a module-level function or a ``functools.partial`` of one."""
 
+RankJob = Callable[[RankContext, Any], object]
+"""What :meth:`NodeEngine.run` runs on every rank: ``job(ctx, request) -> value``, module-level."""
+
 
 @dataclass(frozen=True)
 class RankSpec:
@@ -119,7 +123,7 @@ class RankSpec:
     world_size: int
     device_type: str  # "cuda" or "cpu"
     store_port: int
-    loaders: tuple[tuple[str, ModuleLoader | str], ...]  # (module name, loader or its "pkg.mod:fn" path)
+    loaders: tuple[tuple[str, ModuleLoader], ...]  # (module name, loader), run in order
     threads_per_rank: int
     collective_timeout_s: float
     numa: bool
@@ -146,19 +150,6 @@ class RankError:
     message: str
     traceback: str
     exception: bytes | None
-
-
-def resolve(path: str) -> Callable[..., object]:
-    """Import ``"package.module:function"`` (the function must be module-level)."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"expected a 'package.module:function' path, got {path!r}")
-    obj: object = importlib.import_module(module_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise TypeError(f"{path!r} resolves to a {type(obj).__name__}, not a callable")
-    return obj
 
 
 def _read_hwm_bytes() -> int:
@@ -253,7 +244,7 @@ def rank_main(rank: int, spec: RankSpec, conn: Connection, cancel: MpEvent) -> N
             rank, spec.world_size, device, group, mesh, numa, ModelParker(device, enabled=spec.park)
         )
         for name, loader in spec.loaders:
-            module = (resolve(loader) if isinstance(loader, str) else loader)(ctx)
+            module = loader(ctx)
             if not isinstance(module, nn.Module):
                 raise TypeError(
                     f"loader {loader!r} for module {name!r} returned {type(module).__name__}, not nn.Module"
@@ -274,13 +265,12 @@ def _serve(ctx: RankContext, outbox: RankOutbox, cancel: MpEvent) -> None:
         message = outbox.conn.recv()
         if message[0] == "stop":
             return
-        _, job_id, path, payload = message
+        _, job_id, job, request = message
         ctx.job_id, ctx._outbox, ctx._cancel = job_id, outbox, cancel
         _reset_peak(ctx.device)
         start = time.perf_counter()
         try:
-            job = resolve(path)
-            value = job(ctx, payload)
+            value = job(ctx, request)
         except Exception as exc:
             for module in ctx.modules.values():
                 reset_after_failure(module)

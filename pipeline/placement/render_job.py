@@ -1,36 +1,33 @@
-"""A render entry point (``pipeline.render:render`` or one with its signature) as a NodeEngine job.
+"""A render as a NodeEngine job: the typed request that crosses to the ranks and what comes back.
 
-Who calls this: :meth:`NodeEngine.run` runs :func:`render_entry_job` on every rank (the worker wraps it
-to add its logging, see ``worker.runner.render_attempt``). Each rank imports the entry (its module
-also provides ``RenderRequest``), builds the request from the payload and calls the entry with one
+Who calls this: the worker (``worker.runner``) and the tests run :func:`render_on_rank` on every rank
+with a :class:`RankRenderRequest` (``NodeEngine.run(render_on_rank, request)``; the worker wraps it
+to add its logging). Each rank calls the request's renderer (``pipeline.render.render`` or a
+stand-in with its signature, :class:`~pipeline.request.Renderer`) with one
 :class:`~pipeline.placement.relay.RelaySink` (rank 0 publishes, the other ranks discard), the
-engine's cancel flag as ``should_cancel`` and progress published as :class:`ProgressEvent`.
+engine's cancel flag as ``should_cancel``, and progress published as the renderer's own
+:class:`~pipeline.request.RenderProgress`. What rank 0 publishes is a :data:`RenderEvent`; what it
+returns a :class:`RankRenderResult`. The parent replays the events with
+:class:`~pipeline.placement.relay.SinkRelay`.
 
-Because a rank process lives across jobs, whatever the entry caches per process stays warm: with
-``pipeline.render`` that is the model family (:func:`pipeline.family.get_family`), built by the first
-job and reused by every later one. :func:`warm_report` says, per job, how many modules were loaded
-during it (0 once warm), which the worker logs and the tests assert.
+Because a rank process lives across jobs, whatever the renderer caches per process stays warm: with
+``pipeline.render`` that is the model family (``pipeline.family_runtime.WARM_FAMILIES``), built by
+the first job and reused by every later one. :class:`WarmReport` says, per job, how many modules were
+loaded during it (0 once warm), which the worker logs and the tests assert.
 
-Sharded renders: with ``shard`` true in the payload (default: ``world_size > 1``) every rank renders
-with the models the engine loaded once per rank (``EngineConfig(loaders=family_loaders(preset))``:
-A2V and SR FSDP2-sharded, the encoders whole) instead of its own unsharded family: the job wraps
-``ctx.modules`` in an ``AvatarFamily(loaded=..., on_use=parker.activate)`` and passes it to the entry
-as ``family=``. Every rank runs the same steps with the same seeds (SPMD; the FSDP all-gathers pair
-up because every rank runs the same forwards in the same order), rank 0 publishes. ``shard=False``
-on several ranks makes each rank render alone with its own full models (only rank 0's output is
-kept), which wastes the other ranks.
-
-Payload (plain, picklable): ``entry`` ("package.module:function"), ``request`` (the
-``RenderRequest`` fields; ``image``/``audio``/``checkpoint`` as path strings), ``resume_state``
-(bytes or None), ``mode`` (default "streaming"), ``shard`` (bool, optional). Nothing from one job is
-kept for the next except what the entry itself caches.
+Sharded renders: with ``shard`` (default: ``world_size > 1``) every rank renders with the models the
+engine loaded once per rank (``EngineConfig(loaders=family_loaders(family, preset))``: the family's
+plan, e.g. A2V and SR FSDP2-sharded, the encoders whole) instead of its own unsharded family: the job
+wraps ``ctx.modules`` in a ``FamilyRuntime(loaded=..., on_use=parker.activate)`` and passes it to the
+renderer as ``family=``. Every rank runs the same steps with the same seeds (SPMD; the FSDP
+all-gathers pair up because every rank runs the same forwards in the same order), rank 0 publishes.
+``shard=False`` on several ranks makes each rank render alone with its own full models (only rank 0's
+output is kept), which wastes the other ranks. Nothing from one job is kept for the next except what
+the renderer itself caches.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
-import inspect
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -38,80 +35,101 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.errors import InvalidInputError, ModuleLoadError, OutOfMemoryError
-from pipeline.placement.rank import RankContext, resolve
-from pipeline.placement.relay import RelaySink
+from pipeline.errors import ModuleLoadError, OutOfMemoryError
+from pipeline.media_types import Fragment, InitSegment
+from pipeline.placement.relay import RelaySink, SinkClosed
+from pipeline.request import Renderer, RenderMode, RenderProgress, RenderRequest, RenderResult
 
-if TYPE_CHECKING:  # imported when a sharded job runs: the parent only needs ProgressEvent from here
-    from pipeline.family import AvatarFamily
+if TYPE_CHECKING:  # torch-free at import: the worker's Celery parent imports this module
+    from pipeline.family_runtime import FamilyRuntime, WarmFamilies
+    from pipeline.placement.rank import RankContext
 
-_PATH_FIELDS = ("image", "audio", "checkpoint")
+RenderEvent = InitSegment | Fragment | SinkClosed | RenderProgress
+"""What rank 0 of a render job publishes, in order: the init segment, then fragments and progress,
+then the sinks' close."""
+
 _jobs_served = 0  # render jobs this rank process has run (its warmth, for reports)
 
 
 @dataclass(frozen=True)
-class ProgressEvent:
-    """One chunk's progress (the entry's ``RenderProgress`` as a dict), published by rank 0."""
+class RankRenderRequest:
+    """One render for the ranks (picklable: ``render`` must be a module-level function)."""
 
-    fields: dict[str, object]
+    render: Renderer
+    request: RenderRequest
+    resume_state: bytes | None = None
+    mode: RenderMode = "streaming"
+    shard: bool | None = None
+    """Render with the engine's sharded modules; None: when the engine has more than one rank."""
 
 
-def _as_dict(obj: object) -> dict[str, object]:
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.asdict(obj)
-    return dict(vars(obj))
+@dataclass(frozen=True)
+class WarmReport:
+    """What a render job cost this rank in model loading (``loads_this_job`` is 0 once warm)."""
+
+    pid: int
+    jobs_on_rank: int
+    modules_loaded: int
+    loads_this_job: int
+    load_s_this_job: float
+    sharded: bool
+
+
+@dataclass(frozen=True)
+class RankRenderResult:
+    """Rank 0's return value of :func:`render_on_rank`."""
+
+    result: RenderResult
+    warm: WarmReport
 
 
 def loaded_modules() -> dict[str, float]:
-    """``"preset/module" -> load_s`` of every model loaded in this process by ``pipeline.family``
-    (empty when the entry does not use it, e.g. a test stand-in)."""
-    family_mod = sys.modules.get("pipeline.family")
-    if family_mod is None:
+    """``"family/preset/checkpoint/device/module" -> load_s`` of every model this process's warm
+    families (``pipeline.family_runtime.WARM_FAMILIES``) loaded; empty when the renderer does not use
+    them (e.g. a test stand-in: the module is then never imported, so neither is torch's model code)."""
+    runtime_mod = sys.modules.get("pipeline.family_runtime")
+    if runtime_mod is None:
         return {}
-    out: dict[str, float] = {}
-    for key, family in list(family_mod._families.items()):
-        for name, module in family.modules.items():
-            if module.is_loaded:
-                out[f"{'/'.join(key)}/{name}"] = module.load_s
-    return out
+    warm: WarmFamilies = runtime_mod.WARM_FAMILIES
+    return warm.loaded_modules()
 
 
-def warm_report(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, object]:
-    """What this job cost in model loading: loads done during it and their seconds."""
-    new = {k: v for k, v in after.items() if k not in before}
-    return {
-        "pid": os.getpid(),
-        "jobs_on_rank": _jobs_served,
-        "modules_loaded": len(after),
-        "loads_this_job": len(new),
-        "load_s_this_job": round(sum(new.values()), 4),
-    }
+def rank_family(ctx: RankContext, family: str, preset: str, checkpoint: Path | None) -> FamilyRuntime:
+    """The family runtime over this rank's engine-loaded modules (see the module docstring).
 
-
-def rank_family(ctx: RankContext, preset: str, checkpoint: Path | None) -> AvatarFamily:
-    """The family over this rank's engine-loaded modules (see the module docstring), for ``preset``.
-
-    Raises :class:`ModuleLoadError` when the engine was not configured with ``family_loaders`` for
-    this preset and checkpoint (the weights would differ from the single-process render's).
+    The family object comes with the modules (``FAMILY_SOURCES``, written by ``family_loaders``), so
+    this file names no family. Raises :class:`ModuleLoadError` when the engine was not configured with
+    ``family_loaders`` for this family, preset and checkpoint (the weights would differ from the
+    single-process render's).
     """
-    from pipeline.family import AvatarFamily, default_checkpoint, family_module_names, resolve_preset
+    from pipeline.family_runtime import FamilyRuntime
     from pipeline.placement.loaders import FAMILY_SOURCES
 
-    family_preset = resolve_preset(preset)
-    names = family_module_names(family_preset)
-    ckpt = checkpoint if checkpoint is not None else default_checkpoint(preset)
+    held = {src.family.name: src.family for src in FAMILY_SOURCES.values()}
+    model_family = held.get(family)
+    if model_family is None:
+        raise ModuleLoadError(
+            f"sharded render of family {family!r} on rank {ctx.rank}: the engine's modules are of "
+            f"{sorted(held) or 'no family'} (none loaded by family_loaders). Start the NodeEngine with "
+            f"EngineConfig(loaders=family_loaders(FAMILIES.get({family!r}), {preset!r}, checkpoint=...)) "
+            "for the family the jobs ask for, or send shard=False")
+    family_preset = model_family.preset(preset)
+    names = list(model_family.modules(family_preset, None))
+    ckpt = checkpoint if checkpoint is not None else model_family.default_checkpoint(family_preset)
     sources = {n: FAMILY_SOURCES.get(n) for n in names}
     wrong = {
         n: (None if src is None else (src.preset, str(src.checkpoint)))
         for n, src in sources.items()
-        if n not in ctx.modules or src is None or src.preset != preset or src.checkpoint != ckpt
+        if n not in ctx.modules or src is None or src.family.name != family or src.preset != preset
+        or src.checkpoint != ckpt
     }
     if wrong:
         raise ModuleLoadError(
             f"sharded render of preset {preset!r} (checkpoint {ckpt}) on rank {ctx.rank}: the engine's "
             f"modules do not match: {wrong} (module -> (preset, checkpoint) loaded, None: not loaded by "
-            f"family_loaders). Start the NodeEngine with EngineConfig(loaders=family_loaders({preset!r}, "
-            "checkpoint=...)) for the preset and checkpoint the jobs ask for, or send shard=False"
+            f"family_loaders). Start the NodeEngine with EngineConfig(loaders=family_loaders("
+            f"FAMILIES.get({family!r}), {preset!r}, checkpoint=...)) for the preset and checkpoint the "
+            "jobs ask for, or send shard=False"
         )
     parked = {n for n, src in sources.items() if src is not None and src.parked}
 
@@ -119,7 +137,8 @@ def rank_family(ctx: RankContext, preset: str, checkpoint: Path | None) -> Avata
         if name in parked:
             ctx.parker.activate(name)
 
-    return AvatarFamily(family_preset, ckpt, device=str(ctx.device), loaded=ctx.modules, on_use=activate)
+    return FamilyRuntime(model_family, family_preset, ckpt, device=str(ctx.device), loaded=ctx.modules,
+                         on_use=activate)
 
 
 def agreed_cancel(ctx: RankContext) -> Callable[[], bool]:
@@ -142,59 +161,42 @@ def agreed_cancel(ctx: RankContext) -> Callable[[], bool]:
     return should_cancel
 
 
-def _accepts_family(render: Callable[..., object]) -> bool:
-    try:
-        return "family" in inspect.signature(render).parameters
-    except (TypeError, ValueError):  # a builtin without a signature: cannot take one
-        return False
+def _warm(before: Mapping[str, float], after: Mapping[str, float], *, sharded: bool, ctx: RankContext) -> WarmReport:
+    new = {k: v for k, v in after.items() if k not in before}
+    return WarmReport(
+        pid=os.getpid(),
+        jobs_on_rank=_jobs_served,
+        # sharded: loaded once at rank start by the engine's loaders, never during a job
+        modules_loaded=len(ctx.modules) if sharded else len(after),
+        loads_this_job=len(new),
+        load_s_this_job=round(sum(new.values()), 4),
+        sharded=sharded,
+    )
 
 
-def render_entry_job(ctx: RankContext, payload: Mapping[str, object]) -> dict[str, object]:
-    """Run the configured render entry on this rank; rank 0 returns ``{"result", "warm"}``."""
+def render_on_rank(ctx: RankContext, job: RankRenderRequest) -> RankRenderResult:
+    """Run ``job.render`` on this rank (see the module docstring)."""
     global _jobs_served
-    entry = str(payload["entry"])
-    render = resolve(entry)
-    module = importlib.import_module(entry.partition(":")[0])
-    request_cls = getattr(module, "RenderRequest", None)
-    if request_cls is None:
-        raise InvalidInputError(
-            f"render entry {entry!r}: its module has no RenderRequest class; point render_entry at a "
-            "module that defines render() and RenderRequest (like pipeline.render)",
-            field="render_entry",
-        )
-    raw = payload["request"]
-    if not isinstance(raw, Mapping):
-        raise TypeError(f"payload['request'] must be a mapping of RenderRequest fields, got {type(raw).__name__}")
-    fields = {k: (Path(str(v)) if k in _PATH_FIELDS and v is not None else v) for k, v in raw.items()}
-    request = request_cls(**fields)
+    request = job.request
 
-    def on_progress(progress: object) -> None:
+    def on_progress(progress: RenderProgress) -> None:
         if ctx.is_publisher:
-            ctx.publish(ProgressEvent(_as_dict(progress)))
+            ctx.publish(progress)
 
-    extra: dict[str, object] = {}
-    if ctx.device.type != "cpu":  # GPU-only: the CPU default keeps stand-ins without `device` working
-        extra["device"] = str(ctx.device)
-    shard = bool(payload.get("shard", ctx.world_size > 1))
-    if shard:
-        if not _accepts_family(render):
-            raise InvalidInputError(
-                f"render entry {entry!r} takes no `family` argument, so it cannot render with the engine's "
-                "sharded modules; use pipeline.render:render or send shard=False", field="render_entry")
-        checkpoint = getattr(request, "checkpoint", None)
-        extra["family"] = rank_family(ctx, str(getattr(request, "preset", "")),
-                                      Path(checkpoint) if checkpoint is not None else None)
+    shard = job.shard if job.shard is not None else ctx.world_size > 1
+    family = rank_family(ctx, request.family, request.preset, request.checkpoint) if shard else None
     should_cancel = agreed_cancel(ctx) if shard and ctx.world_size > 1 else ctx.cancel_requested
     before = loaded_modules()
     try:
-        result = render(
+        result = job.render(
             request,
             [RelaySink(ctx)],
-            mode=str(payload.get("mode", "streaming")),
-            resume_state=payload.get("resume_state"),
+            mode=job.mode,
+            resume_state=job.resume_state,
             should_cancel=should_cancel,
             on_progress=on_progress,
-            **extra,
+            device=str(ctx.device),
+            family=family,
         )
     except MemoryError as exc:  # host RAM: retryable (a retry resumes after the last commit)
         raise OutOfMemoryError(
@@ -202,8 +204,4 @@ def render_entry_job(ctx: RankContext, payload: Mapping[str, object]) -> dict[st
             "last committed chunk on retry (lower the preset's chunk size if it repeats)"
         ) from exc
     _jobs_served += 1
-    warm = warm_report(before, loaded_modules())
-    warm["sharded"] = shard
-    if shard:  # loaded once at rank start by the engine's loaders, never during a job
-        warm["modules_loaded"] = len(ctx.modules)
-    return {"result": _as_dict(result), "warm": warm}
+    return RankRenderResult(result, _warm(before, loaded_modules(), sharded=shard, ctx=ctx))

@@ -18,13 +18,12 @@ from tests.distributed import placement_support as ps
 
 pytestmark = pytest.mark.distributed
 
-SUPPORT = "tests.distributed.placement_support"
 MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[NodeEngine]:
-    config = EngineConfig(world_size=2, loaders={"dit": f"{SUPPORT}:load_sharded"}, error_grace_s=3.0)
+    config = EngineConfig(world_size=2, loaders={"dit": ps.load_sharded}, error_grace_s=3.0)
     with NodeEngine(config) as engine:
         yield engine
 
@@ -120,7 +119,7 @@ def test_peak_memory_flat_from_n_to_4n_chunks(engine: NodeEngine) -> None:
 
 @pytest.mark.timeout(120)
 def test_loader_failure_is_a_module_load_error() -> None:
-    config = EngineConfig(world_size=1, loaders={"a2v": f"{SUPPORT}:load_broken"})
+    config = EngineConfig(world_size=1, loaders={"a2v": ps.load_broken})
     engine = NodeEngine(config)
     with pytest.raises(
         ModuleLoadError, match=r"rank 0 failed to start.*FileNotFoundError: checkpoint /nonexistent"

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.distributed
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[NodeEngine]:
-    with NodeEngine(EngineConfig(world_size=1, loaders={"dit": f"{ps.__name__}:load_plain"})) as engine:
+    with NodeEngine(EngineConfig(world_size=1, loaders={"dit": ps.load_plain})) as engine:
         yield engine
 
 

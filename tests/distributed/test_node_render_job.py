@@ -1,4 +1,4 @@
-"""``render_entry_job`` on a 1-rank NodeEngine (CPU/gloo) with the fake render entry: rank 0 relays
+"""``render_on_rank`` on a 1-rank NodeEngine (CPU/gloo) with the fake render entry: rank 0 relays
 init/fragments/progress/close in order, the rank serves the next job warm, a cooperative cancel keeps
 the rank, and a ``should_cancel`` that raises kills the ranks (the next job gets fresh ones)."""
 
@@ -13,13 +13,13 @@ from pipeline.errors import CancelledError
 from pipeline.media_types import Fragment, InitSegment
 from pipeline.placement.engine import EngineConfig, NodeEngine
 from pipeline.placement.relay import SinkClosed
-from pipeline.placement.render_job import ProgressEvent
+from pipeline.placement.render_job import RankRenderRequest, render_on_rank
+from pipeline.request import RenderProgress, RenderRequest
 from tests.integration import fake_pipeline
 
 pytestmark = pytest.mark.distributed
 
-JOB = "pipeline.placement.render_job:render_entry_job"
-ENTRY = "tests.integration.fake_pipeline:render"
+JOB = render_on_rank
 
 
 @pytest.fixture(scope="module")
@@ -28,16 +28,11 @@ def engine() -> Iterator[NodeEngine]:
         yield engine
 
 
-def payload(tmp: Path, seed: int, n: int, sleep_s: float = 0.0) -> dict[str, object]:
+def payload(tmp: Path, seed: int, n: int, sleep_s: float = 0.0) -> RankRenderRequest:
     image = tmp / "face.png"
     image.write_bytes(b"x")
     plan = fake_pipeline.write_plan(tmp / f"plan-{seed}.json", num_fragments=n, sleep_s=sleep_s)
-    return {
-        "entry": ENTRY,
-        "request": {"image": str(image), "audio": str(plan), "seed": seed, "text": None, "preset": "tiny",
-                    "checkpoint": None},
-        "resume_state": None,
-    }
+    return RankRenderRequest(fake_pipeline.render, RenderRequest(image=image, audio=plan, seed=seed))
 
 
 @pytest.mark.timeout(180)
@@ -45,18 +40,17 @@ def test_events_in_order_and_warm_rank(engine: NodeEngine, tmp_path: Path) -> No
     events: list[object] = []
     first = engine.run(JOB, payload(tmp_path, 5, 3), on_event=events.append)
     kinds = [type(e).__name__ for e in events]
-    assert kinds == ["InitSegment"] + ["Fragment", "ProgressEvent"] * 3 + ["SinkClosed"], kinds
+    assert kinds == ["InitSegment"] + ["Fragment", "RenderProgress"] * 3 + ["SinkClosed"], kinds
     assert isinstance(events[0], InitSegment) and events[-1] == SinkClosed(True)
     frags = [e for e in events if isinstance(e, Fragment)]
     assert events[0].data + b"".join(f.data for f in frags) == fake_pipeline.expected_output(5, 3)
-    progress = [e for e in events if isinstance(e, ProgressEvent)]
-    assert [p.fields["emission_index"] for p in progress] == [0, 1, 2]
-    assert isinstance(first.value, dict) and first.value["result"]["num_frames"] == 30
+    progress = [e for e in events if isinstance(e, RenderProgress)]
+    assert [p.emission_index for p in progress] == [0, 1, 2]
+    assert first.value.result.num_frames == 30
     pid = engine.pids[0]
     second = engine.run(JOB, payload(tmp_path, 6, 1), on_event=lambda e: None)
-    assert isinstance(second.value, dict)
-    assert first.value["warm"]["pid"] == second.value["warm"]["pid"] == pid
-    assert (first.value["warm"]["jobs_on_rank"], second.value["warm"]["jobs_on_rank"]) == (1, 2)
+    assert first.value.warm.pid == second.value.warm.pid == pid
+    assert (first.value.warm.jobs_on_rank, second.value.warm.jobs_on_rank) == (1, 2)
     assert engine.pids == [pid]
 
 
@@ -85,4 +79,4 @@ def test_cancel_keeps_rank_and_raising_should_cancel_kills_it(engine: NodeEngine
     assert not engine.is_running and engine.pids == []  # ranks killed
     again = engine.run(JOB, payload(tmp_path, 9, 1), on_event=lambda e: None)
     assert engine.generation == generation + 1 and engine.pids[0] != pid
-    assert isinstance(again.value, dict) and again.value["warm"]["jobs_on_rank"] == 1
+    assert again.value.warm.jobs_on_rank == 1

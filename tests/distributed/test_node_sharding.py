@@ -19,7 +19,6 @@ from tests.distributed import placement_support as ps
 
 pytestmark = pytest.mark.distributed
 
-SUPPORT = "tests.distributed.placement_support"
 
 
 def reference(seed: int) -> torch.Tensor:
@@ -39,9 +38,9 @@ def assert_prefetched(events: list[str], depth: int = ps.DEPTH) -> None:
 @pytest.fixture(scope="module")
 def engine2() -> Iterator[NodeEngine]:
     loaders = {
-        "dit": f"{SUPPORT}:load_sharded",
-        "dit_no_prefetch": f"{SUPPORT}:load_sharded_no_prefetch",
-        "parked": f"{SUPPORT}:load_sharded_parked",
+        "dit": ps.load_sharded,
+        "dit_no_prefetch": ps.load_sharded_no_prefetch,
+        "parked": ps.load_sharded_parked,
     }
     # park=True: exercise the parking path on CPU (it is off by default without CUDA)
     with NodeEngine(EngineConfig(world_size=2, loaders=loaders, park=True)) as engine:
@@ -81,7 +80,7 @@ def test_parked_sharded_model_round_trip(engine2: NodeEngine) -> None:
 @pytest.mark.slow  # 4 spawned ranks each import torch: ~90 s on 2 loaded cores, ~25 s idle
 @pytest.mark.timeout(300)
 def test_four_ranks_sharded_equals_unsharded() -> None:
-    loaders = {"dit": f"{SUPPORT}:load_sharded"}
+    loaders = {"dit": ps.load_sharded}
     with NodeEngine(EngineConfig(world_size=4, loaders=loaders, park=True)) as engine:
         out = engine.run(ps.job_forward, {"seed": 2}).value
         events = engine.run(ps.job_record_unshard_order, {"module": "dit"}).value
@@ -97,7 +96,7 @@ def test_four_ranks_sharded_equals_unsharded() -> None:
 
 @pytest.mark.timeout(180)
 def test_one_rank_runs_the_same_path() -> None:
-    loaders = {"dit": f"{SUPPORT}:load_sharded"}
+    loaders = {"dit": ps.load_sharded}
     with NodeEngine(EngineConfig(world_size=1, loaders=loaders)) as engine:
         result = engine.run(ps.job_forward, {"seed": 0})
     assert isinstance(result.value, torch.Tensor)

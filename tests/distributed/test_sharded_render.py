@@ -1,8 +1,8 @@
 """The real pipeline rendered on N gloo ranks with A2V and SR FSDP2-sharded (``family_loaders`` +
-``render_entry_job``) against the single-process ``render()`` of the same request.
+``render_on_rank``) against the single-process ``render()`` of the same request.
 
 Observed: bit-identical frames and byte-identical fMP4 (init segment and every fragment). Why exact:
-both sides build the weights through ``pipeline.family.family_modules`` (same seeds), the AllGather
+both sides build the weights through the tiny family's ``modules()`` (same seeds), the AllGather
 reassembles the exact parameter bytes, every rank and the reference run the same CPU kernels with one
 thread under ``torch.no_grad``, and x264 is deterministic for identical frames. The encoders run whole
 on each rank, so only the DiT forwards go through FSDP.
@@ -10,6 +10,7 @@ on each rank, so only the DiT forwards go through FSDP.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -20,17 +21,19 @@ import torch
 
 from bench.inputs import DEMO_IMAGE, speech_wav
 from pipeline.errors import CancelledError, ModuleLoadError
+from pipeline.families import FAMILIES
 from pipeline.media_types import Fragment, InitSegment
 from pipeline.placement.engine import EngineConfig, NodeEngine
 from pipeline.placement.loaders import family_loaders
 from pipeline.placement.rank import RankContext
 from pipeline.placement.relay import SinkClosed
-from pipeline.placement.render_job import ProgressEvent
+from pipeline.placement.render_job import RankRenderRequest, RankRenderResult, render_on_rank
 from pipeline.render import RenderRequest, render
+from pipeline.request import RenderProgress
 
 pytestmark = pytest.mark.distributed
 
-JOB = "pipeline.placement.render_job:render_entry_job"
+JOB = render_on_rank
 SECONDS = 1.3  # 33 frames at 25 fps: N0 N1 I0 N2 — every chunk kind, both stage switches, 3 fragments
 SEED = 7
 
@@ -62,7 +65,7 @@ def _decode(data: bytes, path: Path) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, object], list[object], np.ndarray]:
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[RankRenderRequest, list[object], np.ndarray]:
     """The single-process render (this process, one thread): payload, sink events, tapped frames."""
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("sharded")
@@ -72,31 +75,24 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, objec
     parts: list[tuple[int, np.ndarray]] = []
     render(request, [sink], frame_tap=lambda f0, fr: parts.append((f0, fr.copy())))
     frames = np.concatenate([p[1] for p in sorted(parts, key=lambda p: p[0])])
-    payload: dict[str, object] = {
-        "entry": "pipeline.render:render",
-        "request": {"image": str(DEMO_IMAGE), "audio": str(audio), "seed": SEED, "text": None,
-                    "preset": "tiny", "checkpoint": None},
-        "resume_state": None,
-    }
-    return payload, sink.events, frames
+    return RankRenderRequest(render, request), sink.events, frames
 
 
-def _check_sharded(world_size: int, reference: tuple[dict[str, object], list[object], np.ndarray],
+def _check_sharded(world_size: int, reference: tuple[RankRenderRequest, list[object], np.ndarray],
                    tmp_path: Path, *, park: bool | None = None,
                    extra: Callable[[NodeEngine], None] | None = None) -> None:
     payload, ref_events, ref_frames = reference
-    config = EngineConfig(world_size=world_size, loaders=family_loaders("tiny"), threads_per_rank=1,
+    config = EngineConfig(world_size=world_size, loaders=family_loaders(FAMILIES.get("tiny"), "tiny"), threads_per_rank=1,
                           park=park)
     events: list[object] = []
     with NodeEngine(config) as engine:
         result = engine.run(JOB, payload, on_event=events.append, timeout_s=240)
         if extra is not None:
             extra(engine)
-    assert isinstance(result.value, dict)
-    warm = result.value["warm"]
-    assert warm["sharded"] is True and warm["loads_this_job"] == 0 and warm["modules_loaded"] == 5
-    assert result.value["result"]["num_frames"] == ref_frames.shape[0] == 33
-    media = [e for e in events if not isinstance(e, ProgressEvent)]
+    warm = result.value.warm
+    assert warm.sharded is True and warm.loads_this_job == 0 and warm.modules_loaded == 5
+    assert result.value.result.num_frames == ref_frames.shape[0] == 33
+    media = [e for e in events if not isinstance(e, RenderProgress)]
     assert [type(e).__name__ for e in media] == [type(e).__name__ for e in ref_events]
     assert media[-1] == SinkClosed(True)
     # frames first (the requirement), then the bytes (identical frames must encode identically)
@@ -112,14 +108,14 @@ def _check_sharded(world_size: int, reference: tuple[dict[str, object], list[obj
 
 @pytest.mark.timeout(240)
 def test_two_rank_sharded_render_equals_single_process(
-    reference: tuple[dict[str, object], list[object], np.ndarray], tmp_path: Path
+    reference: tuple[RankRenderRequest, list[object], np.ndarray], tmp_path: Path
 ) -> None:
     payload = reference[0]
 
     def wrong_preset(engine: NodeEngine) -> None:
         # the ranks hold the tiny family: a request for another preset fails clearly, ranks stay warm
         pids = engine.pids
-        bad = {**payload, "request": {**payload["request"], "preset": "1.3b"}}  # type: ignore[dict-item]
+        bad = dataclasses.replace(payload, request=dataclasses.replace(payload.request, preset="1.3b"))
         with pytest.raises(ModuleLoadError, match="family_loaders"):
             engine.run(JOB, bad)
         assert engine.pids == pids
@@ -150,7 +146,7 @@ def test_two_rank_sharded_render_equals_single_process(
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_four_rank_sharded_parked_render_equals_single_process(
-    reference: tuple[dict[str, object], list[object], np.ndarray], tmp_path: Path
+    reference: tuple[RankRenderRequest, list[object], np.ndarray], tmp_path: Path
 ) -> None:
     # parking forced on (CPU default: off): each stage's Module.get() activates its model through the
     # parker, the other DiT is parked and returned block by block just in time
@@ -181,11 +177,9 @@ def job_resident_bytes(ctx: RankContext, payload: Mapping[str, object]) -> dict[
     return dict(ctx.parker.resident_bytes())
 
 
-def job_render_rank1_cancels(ctx: RankContext, payload: Mapping[str, object]) -> object:
-    """Rank job: ``render_entry_job`` where only rank 1 sees a cancel request, from its third poll on
+def job_render_rank1_cancels(ctx: RankContext, job: RankRenderRequest) -> RankRenderResult:
+    """Rank job: ``render_on_rank`` where only rank 1 sees a cancel request, from its third poll on
     (the widest possible skew between ranks' views of the shared cancel flag)."""
-    from pipeline.placement.render_job import render_entry_job
-
     polls = [0]
 
     def skewed() -> bool:
@@ -194,6 +188,6 @@ def job_render_rank1_cancels(ctx: RankContext, payload: Mapping[str, object]) ->
 
     ctx.cancel_requested = skewed  # type: ignore[method-assign]  # this job only; restored below
     try:
-        return render_entry_job(ctx, payload)
+        return render_on_rank(ctx, job)
     finally:
         del ctx.cancel_requested

@@ -1,5 +1,5 @@
 """Fixtures for the job/worker integration tests: a fresh migrated PostgreSQL database per test
-(cloned from a migrated template), a flushed Redis db, and real Celery worker processes running the
+(cloned from a migrated template), a Celery queue of its own on the shared Redis, and real Celery worker processes running the
 fake render. The helpers live in jobs_harness.py (importable by the tests; conftest is not).
 """
 
@@ -21,7 +21,7 @@ from jobs_harness import (  # noqa: E402
     REDIS_URL,
     JobsEnv,
     admin_engine,
-    flush_redis,
+    drop_queue,
     make_env,
     settings_from_env,
 )
@@ -62,7 +62,6 @@ def pg_url(pg_template: str) -> Iterator[str]:
 
 @pytest.fixture
 def jobs_env(tmp_path: Path, pg_url: str) -> Iterator[JobsEnv]:
-    flush_redis(REDIS_URL)
     env = make_env(tmp_path, pg_url, REDIS_URL)
     settings = settings_from_env(env)
     engine = make_engine(pg_url)
@@ -75,4 +74,4 @@ def jobs_env(tmp_path: Path, pg_url: str) -> Iterator[JobsEnv]:
         for w in je.workers:
             w.stop()
         engine.dispose()
-        flush_redis(REDIS_URL)
+        drop_queue(REDIS_URL, settings.queue_name)

@@ -135,6 +135,8 @@ def render(
     resume_state: bytes | None = None,
     should_cancel: Callable[[], bool] | None = None,
     on_progress: Callable[[RenderProgress], None] | None = None,
+    device: str = "cpu",
+    family: object | None = None,
 ) -> RenderResult:
     t0 = time.monotonic()
     if not Path(request.image).is_file():

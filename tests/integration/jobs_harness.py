@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,10 +41,13 @@ def admin_engine():  # type: ignore[no-untyped-def]
     return create_engine(f"{PG_HOST}/postgres", isolation_level="AUTOCOMMIT", pool_pre_ping=True)
 
 
-def flush_redis(url: str) -> None:
+def drop_queue(url: str, queue: str) -> None:
+    """Delete one test's Celery queue (its list and bindings), leaving every other key alone, so
+    test runs that share the Redis server (two checkouts, two suites) cannot wipe each other's."""
     import redis
 
-    redis.Redis.from_url(url, socket_timeout=5).flushdb()
+    client = redis.Redis.from_url(url, socket_timeout=5)
+    client.delete(queue, f"_kombu.binding.{queue}", *client.keys(f"{queue}\x06\x16*"))
 
 
 def free_port() -> int:
@@ -281,7 +285,8 @@ def make_env(tmp: Path, database_url: str, broker_url: str, **overrides: str) ->
             "LONGTAKE_FILE_ROOT": str(tmp / "in"),
             "LONGTAKE_WORK_DIR": str(tmp / "work"),
             "LONGTAKE_RENDER_ENTRY": "fake_pipeline:render",
-            "LONGTAKE_QUEUE_NAME": "longtake-test",
+            # one queue per test: a message can only reach this test's workers
+            "LONGTAKE_QUEUE_NAME": f"longtake-test-{uuid.uuid4().hex[:10]}",
             "LONGTAKE_LEASE_S": "3",
             # a state with every segment: these tests count renders per fragment (the interval's
             # re-render-and-verify path is tested in test_delivery_s3.py)

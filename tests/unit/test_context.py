@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from models.avatars.speech import normalize_loudness
-from pipeline.stages.context import loudness_gain
+from pipeline.families.tiny.stages.context import loudness_gain
 
 
 class ArrayAudio:

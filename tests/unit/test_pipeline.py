@@ -12,6 +12,8 @@ import torch
 
 from bench.inputs import DEMO_IMAGE
 from pipeline.errors import CancelledError, PipelineBuildError
+from pipeline.families import FAMILIES
+from pipeline.family_runtime import WARM_FAMILIES, FamilyRuntime
 from pipeline.media_types import Fragment, InitSegment
 from pipeline.render import RenderRequest, render
 from pipeline.sinks import FileSink
@@ -118,8 +120,13 @@ def test_mp4_decodes_with_ffprobe_and_matches_audio_duration(speech, tmp_path: P
     assert int(count) == result.num_frames == 49
 
 
+def _warm_tiny() -> FamilyRuntime:
+    """The runtime ``render()`` uses for a default request (the tiny family's tiny preset)."""
+    return WARM_FAMILIES.get(FAMILIES.get("tiny"), "tiny")
+
+
 def test_pipeline_rejects_unwired_stage() -> None:
-    from pipeline import ports as P
+    from pipeline.families.tiny import ports as P
     from pipeline.pipeline import Pipeline
     from pipeline.stage import Phase, Stage, Values
 
@@ -137,8 +144,7 @@ def test_pipeline_rejects_unwired_stage() -> None:
 
 
 def test_emission_stage_may_not_read_step_chunk_values() -> None:
-    from pipeline import ports as P
-    from pipeline.family import get_family
+    from pipeline.families.tiny import ports as P
     from pipeline.pipeline import Pipeline
     from pipeline.stage import Phase, Stage, Values
 
@@ -152,15 +158,13 @@ def test_emission_stage_may_not_read_step_chunk_values() -> None:
             pass
 
     with pytest.raises(PipelineBuildError, match="emission stage 'peek' reads 'audio_feats'"):
-        Pipeline([*get_family("tiny").pipeline.stages, PeeksAtAudio()])
+        Pipeline([*_warm_tiny().pipeline.stages, PeeksAtAudio()])
 
 
 def test_overlapped_emissions_equal_the_sequential_loop(speech) -> None:  # type: ignore[no-untyped-def]
     import threading
 
-    from pipeline.family import get_family
-
-    family = get_family("tiny")
+    family = _warm_tiny()
     assert family.overlap_emissions  # a local family overlaps SR + decode with the next step
     request = RenderRequest(image=DEMO_IMAGE, audio=speech(2.0), seed=7)
     threads: set[str] = set()
@@ -186,15 +190,16 @@ def test_audio_guidance_is_wired_and_off_means_one_forward(speech) -> None:  # t
     import dataclasses
 
     from models.presets import get_preset
-    from pipeline import ports as P
-    from pipeline.family import AvatarFamily, default_checkpoint
+    from pipeline.families.tiny import ports as P
 
     tiny = get_preset("tiny")
     assert tiny.audio_guidance == 3.0
     request = RenderRequest(image=DEMO_IMAGE, audio=speech(0.64), seed=2)
     frames = {}
     for g in (1.0, 3.0):
-        family = AvatarFamily(dataclasses.replace(tiny, audio_guidance=g), default_checkpoint("tiny"))
+        tiny_family = FAMILIES.get("tiny")
+        family = FamilyRuntime(tiny_family, dataclasses.replace(tiny, audio_guidance=g),
+                               tiny_family.default_checkpoint(tiny))
         seen: list[object] = []
         a2v = family.pipeline.step_stages[1]
         run = a2v.run

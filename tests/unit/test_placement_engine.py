@@ -1,33 +1,23 @@
-"""NodeEngine pieces that need no rank processes: job paths, config validation, loader resolution."""
+"""NodeEngine pieces that need no rank processes: job names, config validation, error codes."""
 
 from __future__ import annotations
 
 import pytest
 
-from pipeline.placement.engine import EngineConfig, JobFailedError, RankDiedError, job_path
-from pipeline.placement.rank import resolve
+from pipeline.placement.engine import EngineConfig, JobFailedError, RankDiedError, job_name
 from tests.distributed import placement_support as ps
 
 
-def test_job_path_of_module_level_functions_only() -> None:
-    assert job_path(ps.job_forward) == "tests.distributed.placement_support:job_forward"
-    assert job_path("pkg.mod:fn") == "pkg.mod:fn"
+def test_jobs_are_module_level_functions_only() -> None:
+    assert job_name(ps.job_forward) == "tests.distributed.placement_support:job_forward"
 
     def local_job(ctx: object, payload: object) -> None:
         return None
 
     with pytest.raises(ValueError, match="must be a module-level function"):
-        job_path(local_job)  # type: ignore[arg-type]
+        job_name(local_job)
     with pytest.raises(ValueError, match="must be a module-level function"):
-        job_path(lambda ctx, payload: None)
-
-
-def test_resolve_names_the_bad_path() -> None:
-    assert resolve("tests.distributed.placement_support:job_forward") is ps.job_forward
-    with pytest.raises(ValueError, match="expected a 'package.module:function' path, got 'no_colon'"):
-        resolve("no_colon")
-    with pytest.raises(TypeError, match="resolves to a int, not a callable"):
-        resolve("tests.distributed.placement_support:DIM")
+        job_name(lambda ctx, payload: None)
 
 
 def test_config_validation() -> None:

@@ -171,23 +171,33 @@ def test_reuse_vae_takes_weights_and_metadata_of_an_earlier_checkpoint(tmp_path:
         reuse_vae(p, tmp_path / "cache2", tmp_path / "other.safetensors")
 
 
-def test_stream_renderer_follows_the_chunk_plan() -> None:
-    from models.training.evaluate import StreamRenderer
+def test_the_scored_pipeline_follows_the_chunk_plan(tmp_path: Path) -> None:
+    """What ``bench.quality`` scores is the real pipeline (one renderer): with and without I chunks it
+    renders the same N chunks, and I_k replaces exactly N_{k+1}[0:e]."""
+    from PIL import Image
+
+    from bench.quality import write_wav
+    from pipeline.families import FAMILIES
+    from pipeline.family_runtime import FamilyRuntime
+    from pipeline.render import RenderRequest, render
 
     p = small_preset()
-    mods = build_modules(p, seed=1)
-    zero_past_taps(mods["vae"])  # per-frame decoder (as trained): frames compare position by position
-    for mod in mods.values():
-        mod.eval()
+    runtime = FamilyRuntime(FAMILIES.get("tiny"), p, None)  # seeded random init, 64x64
+    zero_past_taps(runtime.modules["vae"].get())  # per-frame decoder (as trained): frames compare position by position
     L, e = p.chunk_frames, p.interp_frames
     n = 2 * L + 5  # N0, N1, a short N2 (and I0, I1)
-    ref = (np.random.default_rng(0).random((64, 64, 3)) * 255).astype(np.uint8)
-    audio = np.random.default_rng(1).standard_normal(n * 640).astype(np.float32) * 0.1
-    with_i = list(StreamRenderer(mods, p).frames(ref, audio, n, True))
-    without = list(StreamRenderer(mods, p).frames(ref, audio, n, False))
+    Image.fromarray((np.random.default_rng(0).random((64, 64, 3)) * 255).astype(np.uint8)).save(tmp_path / "ref.png")
+    write_wav(tmp_path / "audio.wav", np.random.default_rng(1).standard_normal(n * 640).astype(np.float32) * 0.1)
+
+    def frames(use_i: bool) -> list[np.ndarray]:
+        parts: list[np.ndarray] = []
+        request = RenderRequest(image=tmp_path / "ref.png", audio=tmp_path / "audio.wav", use_i_chunks=use_i)
+        render(request, [], family=runtime, frame_tap=lambda f0, fr: parts.append(fr.copy()))
+        return list(np.concatenate(parts))
+
+    with_i, without = frames(True), frames(False)
     assert len(with_i) == len(without) == n and with_i[0].shape == (64, 64, 3) and with_i[0].dtype == np.uint8
     same = [bool(np.array_equal(a, b)) for a, b in zip(with_i, without, strict=True)]
     # I_0 replaces N_1[0:e], I_1 replaces N_2[0:e]; everything else comes from the same N chunks
     assert same == [not (L <= t < L + e or 2 * L <= t < 2 * L + e) for t in range(n)]
-    again = list(StreamRenderer(mods, p).frames(ref, audio, n, True))
-    assert all(np.array_equal(a, b) for a, b in zip(with_i, again, strict=True))  # seeded noise
+    assert all(np.array_equal(a, b) for a, b in zip(with_i, frames(True), strict=True))  # seeded noise

@@ -91,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--audio", required=True, help="driving audio: a local file to upload, or a URI")
     p.add_argument("--text", help="text/scene prompt")
     p.add_argument("--seed", type=int, help="seed (>= 0); same seed and inputs give the same video")
+    p.add_argument("--family", help="model family (default: 'tiny')")
     p.add_argument("--preset", help="model preset (default: the server's, 'tiny')")
     p.add_argument("--priority", type=int, help="0 (lowest) to 9 (highest)")
     p.add_argument("--idempotency-key", help="resubmitting with the same key returns the same job")
@@ -257,7 +258,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         if not isinstance(loaded, dict):
             raise ValueError(f"--spec {args.spec}: must hold a JSON object (the job spec)")
         spec.update(loaded)
-    for field in ("text", "seed", "preset", "priority", "idempotency_key"):
+    for field in ("text", "seed", "family", "preset", "priority", "idempotency_key"):
         value = getattr(args, field)
         if value is not None:
             spec[field] = value

@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=Path, help="output MP4 path")
     p.add_argument("--hls", type=Path, default=None, help="also write a live HLS directory here")
     p.add_argument("--seed", type=int, default=0, help="random seed (>= 0); same seed, same video")
-    p.add_argument("--preset", default="tiny", help="model preset (default: tiny)")
+    p.add_argument("--family", default="tiny", help="model family (default: tiny)")
+    p.add_argument("--preset", default="tiny", help="model preset of the family (default: tiny)")
     p.add_argument("--checkpoint", type=Path, default=None,
                    help="safetensors checkpoint (default: the one shipped for the preset, if any)")
     p.add_argument("--mode", choices=["streaming", "batch"], default="streaming",
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.hls is not None:
             sinks.append(HLSDirectorySink(validate_hls_directory(args.hls)))
         request = RenderRequest(image=args.image, audio=args.audio, text=args.text, seed=args.seed,
-                                preset=args.preset, checkpoint=args.checkpoint)
+                                family=args.family, preset=args.preset, checkpoint=args.checkpoint)
         bar: tqdm | None = None
 
         def progress(p: RenderProgress) -> None:

@@ -25,6 +25,7 @@ One attempt:
 from __future__ import annotations
 
 import atexit
+import importlib
 import logging
 import os
 import shutil
@@ -41,6 +42,8 @@ from celery import Celery
 
 from pipeline.errors import InvalidInputError, RenderError
 from pipeline.media_types import Fragment
+from pipeline.placement.render_job import RankRenderRequest
+from pipeline.request import Renderer, RenderProgress, RenderRequest
 from worker.delivery.job_delivery import DeliveryFactory, JobDelivery, s3_delivery
 from worker.delivery.keys import upload_key
 from worker.delivery.segment import SegmentRecord
@@ -57,6 +60,13 @@ from worker.settings import Settings
 from worker.spec import resolve_file_uri
 
 log = logging.getLogger(__name__)
+
+
+def _load(entry: str) -> Any:
+    """``module:function`` -> the function (``Settings.render_entry``, until the renderer is
+    injected like the delivery)."""
+    module, _, name = entry.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 class LeaseKeeper(threading.Thread):
@@ -171,6 +181,7 @@ class JobWorker:
         )
         self.owner = settings.worker_name or f"{socket.gethostname()}:{os.getpid()}"
         self.delivery_factory = delivery
+        self.renderer: Renderer = _load(settings.render_entry)
         self.node = NodeExecutor(
             ranks=settings.node_ranks,
             device=settings.resolved_node_device(),
@@ -309,26 +320,28 @@ class JobWorker:
             metrics.CHUNK_SECONDS.observe(now - last_chunk_at[0])
             last_chunk_at[0] = now
 
-        def on_progress(p: dict[str, Any]) -> None:
+        def on_progress(p: RenderProgress) -> None:
             keeper.report(
                 Progress(
-                    chunks_done=int(p.get("emission_index", -1)) + 1,
-                    num_chunks=p.get("num_emissions"),
-                    frames_done=int(p.get("frames_done", 0)),
-                    num_frames=p.get("num_frames"),
+                    chunks_done=p.emission_index + 1,
+                    num_chunks=p.num_emissions,
+                    frames_done=p.frames_done,
+                    num_frames=p.num_frames,
                 )
             )
 
-        job = RenderJob(
-            job_id=rec.id,
-            entry=s.render_entry,
-            image=str(image),
-            audio=str(audio),
+        request = RenderRequest(
+            image=image,
+            audio=audio,
             text=rec.spec.text,
             seed=rec.spec.seed,
+            family=rec.spec.family,
             preset=rec.spec.preset,
-            checkpoint=str(s.checkpoint) if s.checkpoint else None,
-            resume_state=resume_state,
+            checkpoint=s.checkpoint,
+        )
+        job = RenderJob(
+            job_id=rec.id,
+            render=RankRenderRequest(self.renderer, request, resume_state=resume_state),
             log_level=s.log_level,
             log_json=s.log_json,
         )
@@ -352,9 +365,8 @@ class JobWorker:
                 first_fragment_at[0] - claimed_at,
                 extra={"claim_to_first_fragment_s": round(first_fragment_at[0] - claimed_at, 3)},
             )
-        if outcome.status == "succeeded" and outcome.result:
-            wall = float(outcome.result.get("wall_s") or (time.monotonic() - claimed_at))
-            frames = float(outcome.result.get("num_frames") or 0)
+        if outcome.status == "succeeded" and outcome.result is not None:
+            wall, frames = outcome.result.wall_s, outcome.result.num_frames
             if wall > 0 and frames > 0:
                 metrics.FRAMES_PER_SECOND.observe(frames / wall)
         return outcome

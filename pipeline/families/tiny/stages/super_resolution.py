@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from pipeline import ports as P
+from pipeline.families.tiny import ports as P
 from pipeline.module import Module
 from pipeline.stage import Phase, Stage, Values
-from pipeline.stages.common import Timings
+from pipeline.stage_common import Timings
 
 
 class SRStage(Stage):

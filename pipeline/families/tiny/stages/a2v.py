@@ -17,11 +17,11 @@ from collections.abc import Callable
 
 import torch
 
-from pipeline import ports as P
+from pipeline.families.tiny import ports as P
 from pipeline.module import Module
 from pipeline.schedule import ChunkKind, ChunkStep
 from pipeline.stage import Phase, Stage, Values
-from pipeline.stages.common import Timings
+from pipeline.stage_common import Timings
 
 
 class A2VStage(Stage):

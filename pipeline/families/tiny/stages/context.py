@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipeline import ports as P
+from pipeline.families.tiny import ports as P
+from pipeline.families.tiny.ports import AudioReader
 from pipeline.module import Module
-from pipeline.ports import AudioReader
 from pipeline.stage import Phase, Stage, Values
-from pipeline.stages.common import Timings, step_generator
+from pipeline.stage_common import Timings, step_generator
 
 
 class ContextStage(Stage):

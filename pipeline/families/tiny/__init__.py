@@ -1,0 +1,67 @@
+"""The tiny family: the reference models of ``models/`` (presets ``tiny``, the trained demo, and the
+random-init ``1.3b`` / ``14b`` for speed and memory), four stages (context, A2V, SR, decode).
+
+The folder: ``family.py`` (modules and stage wiring), ``ports.py``, ``stages/``. This file is the
+family's definition as the registry sees it; it imports no torch (the API and the Celery parent read
+the registry), so the models are imported when a render first needs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pipeline.errors import InvalidInputError
+from pipeline.model_family import FamilyPreset, ModelFamily, ParallelPlan
+
+if TYPE_CHECKING:
+    from models.presets import ModelPreset
+    from pipeline.module import Module
+    from pipeline.stage import Stage
+    from pipeline.stage_common import Timings
+
+CHECKPOINT_DIR = Path(__file__).resolve().parents[3] / "models" / "checkpoints"
+
+
+class TinyFamily(ModelFamily):
+    name = "tiny"
+    default_preset = "tiny"
+    has_sr = True
+    overlap_emissions = True
+    # A2V and SR DiTs sharded per block; the VAE, audio and text encoders whole on every rank.
+    # embed_context / embed_reference run once per job outside forward and read root parameters.
+    parallel = ParallelPlan(sharded=("a2v", "sr"),
+                            forward_methods={"a2v": ("embed_context",), "sr": ("embed_reference",)})
+
+    def preset(self, name: str) -> ModelPreset:
+        from models.presets import get_preset
+
+        try:
+            return get_preset(name)
+        except (KeyError, ValueError) as exc:
+            raise InvalidInputError(f"preset {name!r} is unknown: {exc}", field="preset") from exc
+
+    def default_checkpoint(self, preset: FamilyPreset) -> Path | None:
+        """The checkpoint shipped with the repository for ``preset``, if any."""
+        path = CHECKPOINT_DIR / f"{preset.name}.safetensors"
+        return path if path.is_file() else None
+
+    def modules(self, preset: FamilyPreset, checkpoint: Path | None, *, device: str = "cpu",
+                seed: int = 0) -> dict[str, Module]:
+        from pipeline.families.tiny.family import family_modules
+
+        return family_modules(_model_preset(preset), checkpoint, device=device, seed=seed)
+
+    def stages(self, preset: FamilyPreset, modules: Mapping[str, Module], timings: Timings) -> list[Stage]:
+        from pipeline.families.tiny.family import family_stages
+
+        return family_stages(_model_preset(preset), modules, timings)
+
+
+def _model_preset(preset: FamilyPreset) -> ModelPreset:
+    from models.presets import ModelPreset
+
+    if not isinstance(preset, ModelPreset):
+        raise TypeError(f"the tiny family takes a models.presets.ModelPreset, got {type(preset).__name__}")
+    return preset
