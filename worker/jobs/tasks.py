@@ -16,7 +16,7 @@ One attempt:
    :func:`worker.delivery.job_delivery.s3_delivery`) whose ``on_commit`` is the lease-fenced
    ``JobStore.commit_segment``.
 4. Start :class:`LeaseKeeper` (heartbeat every ``heartbeat_s`` with the latest progress, poll the
-   cancel flag every ``cancel_poll_s``) and run the render on :class:`worker.runner.NodeExecutor`.
+   cancel flag every ``cancel_poll_s``) and run the render on :class:`worker.jobs.runner.NodeExecutor`.
 5. End the row by outcome: finish | mark_cancelled (+ abandon the multipart upload) | requeue and
    publish a new message (retryable error, attempts left) | fail | nothing (lease lost: the row
    belongs to someone else now).
@@ -53,9 +53,9 @@ from worker.jobs import metrics
 from worker.jobs.db import DbRetry, make_engine
 from worker.jobs.queue import enqueue_render
 from worker.jobs.records import JobRecord, Lease, Progress
+from worker.jobs.runner import NodeExecutor, RenderJob, RenderOutcome
 from worker.jobs.store import JobStore
 from worker.logging import job_context, set_chunk
-from worker.runner import NodeExecutor, RenderJob, RenderOutcome
 from worker.settings import Settings
 from worker.spec import resolve_file_uri
 

@@ -1,6 +1,6 @@
 """Runs one render attempt on this worker's NodeEngine (persistent, warm rank processes).
 
-Who calls: :mod:`worker.tasks` — :class:`JobWorker` owns one :class:`NodeExecutor` for the life of
+Who calls: :mod:`worker.jobs.tasks` — :class:`JobWorker` owns one :class:`NodeExecutor` for the life of
 the worker process (started lazily by the first job, on the task's thread: in the prefork pool that
 is the pool child, never the Celery parent). Per attempt it builds a :class:`RenderJob` (plain,
 picklable) and the job's sinks, then calls :meth:`NodeExecutor.run` on the task's thread.
