@@ -27,7 +27,7 @@ from sqlalchemy.engine import Engine
 
 from tests.integration import kvs_standin
 from tests.integration.s3_fixtures import MotoServer
-from worker.api import app as api_module
+from worker.api import uploads as api_module
 from worker.api.app import create_app
 from worker.client import LongtakeAPIError, LongtakeClient
 from worker.delivery.keys import job_prefix, upload_key

@@ -1,5 +1,9 @@
 """The ``longtake`` command: render locally, talk to the API, run the services.
 
+Size: ~550 lines: the parser and eleven small subcommand functions, each a few lines next to the
+others; ``render`` lives in :mod:`worker.cli.render`. Split the client and service commands into
+modules of their own when one of them grows.
+
 ``main(argv)`` is the console-script entry point (``longtake = "worker.cli:main"``). Subcommands:
 
 - ``render``  — render one video on this machine (delegates to ``worker.cli.render:main``; imported

@@ -1,5 +1,9 @@
 """Progressive delivery to object storage: preview segments + HLS playlist + one final MP4.
 
+Size: ~640 lines, one class on purpose: the upload thread's state (pending run, multipart parts,
+commits waiting for their part, the resume reconciliation) is read by every step, and the resume
+path must be read next to the write path it replays.
+
 Who calls what: the worker builds one :class:`S3ProgressiveSink` per render attempt and hands it to
 ``pipeline.render.render`` as a :class:`~pipeline.media_types.FrameSink`. The render thread calls
 ``open(init)``, ``write(fragment)`` per emission and ``close(ok=...)``; everything that touches the

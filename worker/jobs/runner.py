@@ -267,21 +267,18 @@ class NodeExecutor:
             log.error("%s", exc)
             metrics.STALLS.labels("ranks_killed").inc()
             outcome = RenderOutcome(status="failed", code="render_stalled", message=str(exc), retryable=True)
-        except RenderError as exc:  # from the ranks (original type) or the engine (rank died, ...)
+        except RenderError as exc:
+            # from the ranks (original type), the engine (rank died, ...) or a sink: SinkError,
+            # StorageError, LeaseLostError (worker.errors) all carry their code and retryable flag
             if exc.code == "cancelled":
                 outcome = RenderOutcome(status="cancelled", code="cancelled", message=str(exc))
             else:
                 outcome = RenderOutcome(
                     status="failed", code=exc.code, message=str(exc), retryable=exc.retryable
                 )
-        except Exception as exc:  # a real sink failed (upload, lease lost during a commit)
+        except Exception as exc:  # a sink broke outside the error hierarchy (a bug): retry the attempt
             log.exception("sink failed: %s; the render was stopped", exc)
-            outcome = RenderOutcome(
-                status="failed",
-                code=str(getattr(exc, "code", "sink_error")),
-                message=str(exc),
-                retryable=bool(getattr(exc, "retryable", True)),
-            )
+            outcome = RenderOutcome(status="failed", code="sink_error", message=str(exc), retryable=True)
         finally:
             if relay.opened and not relay.closed:
                 relay.close(ok=False)

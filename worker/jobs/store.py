@@ -1,5 +1,9 @@
 """JobStore: the job row is the truth about who runs a job and how far it got.
 
+Size: one class of ~550 lines on purpose: every fenced write sits next to the claim, heartbeat and
+reaper queries whose token and status conditions define the fence; split, the fence would be read
+in pieces. The records it returns are in :mod:`worker.jobs.records`.
+
 Who calls what:
 - the API / client / CLI: :meth:`JobStore.create`, :meth:`get`, :meth:`list`, :meth:`request_cancel`;
 - the Celery task (:mod:`worker.jobs.tasks`): :meth:`claim`, :meth:`heartbeat`, :meth:`commit_segment`
