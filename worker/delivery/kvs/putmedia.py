@@ -4,7 +4,7 @@ PutMedia is one long-lived HTTP/1.1 POST to ``<data endpoint>/putMedia`` whose b
 stream sent with chunked transfer encoding, while the response body streams back JSON ACK events
 (one object per fragment stage: BUFFERING, RECEIVED, PERSISTED, ERROR, IDLE), separated by newlines.
 
-Who calls what: :class:`worker.kvs_sink.KVSPreviewSink` makes one :class:`PutMediaClient`, asks it
+Who calls what: :class:`worker.delivery.kvs.sink.KVSPreviewSink` makes one :class:`PutMediaClient`, asks it
 for the data endpoint (GetDataEndpoint through boto3's ``kinesisvideo`` client) and opens a
 :class:`PutMediaConnection` per session (again after a retriable error). ``send`` writes one HTTP
 chunk; a reader thread parses ACKs as they arrive and hands each to ``on_ack`` (on that thread).
@@ -28,6 +28,8 @@ import boto3
 from botocore.auth import SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.config import Config
+
+from pipeline.errors import SinkError
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +61,12 @@ class AckEvent:
         return self.error_id in RETRIABLE_ERROR_IDS
 
 
-class PutMediaError(Exception):
+class PutMediaError(SinkError):
+    """A PutMedia session could not be opened or went away; ``retryable``: a new session may work.
+    Handled inside :class:`worker.delivery.kvs.sink.KVSPreviewSink` (the preview never fails a render)."""
+
+    code = "kvs_preview"
+
     def __init__(self, message: str, *, retryable: bool) -> None:
         super().__init__(message)
         self.retryable = retryable

@@ -1,8 +1,12 @@
 """JobStore: the job row is the truth about who runs a job and how far it got.
 
+Size: one class of ~550 lines on purpose: every fenced write sits next to the claim, heartbeat and
+reaper queries whose token and status conditions define the fence; split, the fence would be read
+in pieces. The records it returns are in :mod:`worker.jobs.records`.
+
 Who calls what:
 - the API / client / CLI: :meth:`JobStore.create`, :meth:`get`, :meth:`list`, :meth:`request_cancel`;
-- the Celery task (:mod:`worker.tasks`): :meth:`claim`, :meth:`heartbeat`, :meth:`commit_segment`
+- the Celery task (:mod:`worker.jobs.tasks`): :meth:`claim`, :meth:`heartbeat`, :meth:`commit_segment`
   (from the delivery sink's ``on_commit``), :meth:`finish`, :meth:`fail`, :meth:`requeue`,
   :meth:`mark_cancelled`, :meth:`cancel_requested`;
 - the reaper (a thread in every worker, or ``longtake reap``): :meth:`requeue_expired`.
@@ -18,7 +22,7 @@ Clocks: lease expiry is computed from the calling host's UTC clock, so worker ho
 skew shortens or lengthens leases by the skew, it never lets two tokens be valid at once (the token,
 not the clock, fences writes).
 
-Retries: each public method runs under :class:`worker.db.DbRetry` (connection loss only) and is
+Retries: each public method runs under :class:`worker.jobs.db.DbRetry` (connection loss only) and is
 written so that repeating it after an unknown outcome is harmless (see the per-method notes).
 Nothing here holds a session between calls.
 """
@@ -29,165 +33,28 @@ import builtins
 import logging
 import re
 import uuid
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal, Protocol, overload
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict
 from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from worker.db import DbRetry
+from worker.delivery.segment import SegmentRecord
+from worker.errors import LeaseLostError
+from worker.jobs.db import DbRetry
+from worker.jobs.records import JobRecord, JobStatus, Lease, Progress, aware, record_of
+from worker.jobs.tables import JobRow, SegmentRow
 from worker.spec import JobSpec
-from worker.tables import JobRow, SegmentRow
 
 log = logging.getLogger(__name__)
 
-JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 _TENANT_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
-
-
-class LeaseLostError(Exception):
-    """The caller's lease token no longer owns the job (another worker claimed it, or the job was
-    finished/requeued). Nothing was written. The caller must stop working on the job."""
-
-    code = "lease_lost"
-
-
-@dataclass(frozen=True)
-class Lease:
-    """Proof of a claim. ``token`` fences every write; ``attempt`` is the 1-based claim count."""
-
-    job_id: str
-    owner: str
-    token: str
-    attempt: int
-    lease_s: float
-    expires_at: datetime
-
-
-@dataclass(frozen=True)
-class Progress:
-    """Progress reported with a heartbeat (per chunk, from the render child)."""
-
-    chunks_done: int
-    num_chunks: int | None = None
-    frames_done: int = 0
-    num_frames: int | None = None
-
-
-class SegmentFields(Protocol):
-    """What :meth:`JobStore.commit_segment` reads (``worker.delivery.CommittedSegment`` has it)."""
-
-    @property
-    def index(self) -> int: ...
-    @property
-    def key(self) -> str: ...
-    @property
-    def nbytes(self) -> int: ...
-    @property
-    def duration_s(self) -> float: ...
-    @property
-    def checksum(self) -> str: ...
-    @property
-    def state_key(self) -> str | None: ...
-    @property
-    def first_frame(self) -> int: ...
-    @property
-    def num_frames(self) -> int: ...
-
-
-@dataclass(frozen=True)
-class SegmentRecord:
-    """A committed segment as stored (same fields as ``worker.delivery.CommittedSegment``)."""
-
-    index: int
-    key: str
-    nbytes: int
-    duration_s: float
-    checksum: str
-    state_key: str | None
-    first_frame: int
-    num_frames: int
-
-
-class JobRecord(BaseModel):
-    """A snapshot of one job row (the lease token is deliberately not included)."""
-
-    model_config = ConfigDict(frozen=True)
-
-    id: str
-    tenant: str
-    status: JobStatus
-    spec: JobSpec
-    priority: int
-    idempotency_key: str | None
-    attempts: int
-    max_attempts: int
-    lease_owner: str | None
-    lease_expires_at: datetime | None
-    cancel_requested: bool
-    chunks_done: int
-    num_chunks: int | None
-    frames_done: int
-    num_frames: int | None
-    seconds_done: float
-    created_at: datetime
-    queued_at: datetime
-    started_at: datetime | None
-    updated_at: datetime
-    finished_at: datetime | None
-    error_code: str | None
-    error_message: str | None
-    outputs: dict[str, str]
-    outputs_partial: bool
 
 
 def _utcnow() -> datetime:
     return datetime.now(UTC)
-
-
-@overload
-def _aware(dt: datetime) -> datetime: ...
-@overload
-def _aware(dt: datetime | None) -> datetime | None: ...
-def _aware(dt: datetime | None) -> datetime | None:
-    # SQLite hands back naive datetimes; everything we store is UTC
-    if dt is not None and dt.tzinfo is None:
-        return dt.replace(tzinfo=UTC)
-    return dt
-
-
-def _record(row: JobRow) -> JobRecord:
-    return JobRecord(
-        id=row.id,
-        tenant=row.tenant,
-        status=row.status,  # type: ignore[arg-type]
-        spec=JobSpec.model_validate(row.spec),
-        priority=row.priority,
-        idempotency_key=row.idempotency_key,
-        attempts=row.attempts,
-        max_attempts=row.max_attempts,
-        lease_owner=row.lease_owner,
-        lease_expires_at=_aware(row.lease_expires_at),
-        cancel_requested=row.cancel_requested,
-        chunks_done=row.progress_chunks,
-        num_chunks=row.num_chunks,
-        frames_done=row.progress_frames,
-        num_frames=row.num_frames,
-        seconds_done=row.progress_s,
-        created_at=_aware(row.created_at),
-        queued_at=_aware(row.queued_at),
-        started_at=_aware(row.started_at),
-        updated_at=_aware(row.updated_at),
-        finished_at=_aware(row.finished_at),
-        error_code=row.error_code,
-        error_message=row.error_message,
-        outputs=dict(row.outputs or {}),
-        outputs_partial=row.outputs_partial,
-    )
 
 
 def _fenced(lease: Lease) -> Any:
@@ -255,7 +122,7 @@ class JobStore:
                     return existing
                 row = s.get(JobRow, job_id)
                 assert row is not None
-                return _record(row)
+                return record_of(row)
 
         return self._retry(op, what=f"create job for tenant {tenant}")
 
@@ -266,7 +133,7 @@ class JobStore:
             row = s.scalars(
                 select(JobRow).where(JobRow.tenant == tenant, JobRow.idempotency_key == key)
             ).first()
-        return _record(row) if row is not None else None
+        return record_of(row) if row is not None else None
 
     def get(self, job_id: str, *, tenant: str | None = None) -> JobRecord | None:
         """The job, or None if it does not exist or belongs to another tenant (when given)."""
@@ -276,7 +143,7 @@ class JobStore:
                 row = s.get(JobRow, job_id)
                 if row is None or (tenant is not None and row.tenant != tenant):
                     return None
-                return _record(row)
+                return record_of(row)
 
         return self._retry(op, what=f"get job {job_id}")
 
@@ -293,7 +160,7 @@ class JobStore:
                 q = q.where(JobRow.created_at < before)
             q = q.order_by(JobRow.created_at.desc(), JobRow.id).limit(max(1, min(limit, 1000)))
             with Session(self.engine) as s:
-                return [_record(r) for r in s.scalars(q)]
+                return [record_of(r) for r in s.scalars(q)]
 
         return self._retry(op, what=f"list jobs of tenant {tenant}")
 
@@ -359,7 +226,7 @@ class JobStore:
                     token=token,
                     attempt=mine.attempts,
                     lease_s=lease_s,
-                    expires_at=_aware(mine.lease_expires_at) or expires,
+                    expires_at=aware(mine.lease_expires_at) or expires,
                 )
 
         return self._retry(op, what=f"claim job {job_id}")
@@ -387,7 +254,7 @@ class JobStore:
 
         return self._retry(op, what=f"heartbeat job {lease.job_id}")
 
-    def commit_segment(self, lease: Lease, seg: SegmentFields) -> None:
+    def commit_segment(self, lease: Lease, seg: SegmentRecord) -> None:
         """Record one durably uploaded segment, fenced by the lease (LeaseLostError: nothing written).
 
         Segments must arrive without gaps (index = number already committed, or a repeat of one
@@ -693,7 +560,7 @@ class JobStore:
                 )
                 why = (
                     f"worker {owner!r} stopped heartbeating (lease expired at "
-                    f"{_aware(expired_at):%Y-%m-%d %H:%M:%S} UTC) on attempt {attempts} of {max_attempts}"
+                    f"{aware(expired_at):%Y-%m-%d %H:%M:%S} UTC) on attempt {attempts} of {max_attempts}"
                 )
                 if cancel:
                     values: dict[str, Any] = {

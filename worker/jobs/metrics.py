@@ -1,7 +1,7 @@
 """Prometheus metrics of a render worker. No job-id labels (unbounded cardinality); per-job detail
 is in the logs and the job row.
 
-Who calls: :mod:`worker.tasks` records into these as a job runs; :func:`start_metrics_server` is
+Who calls: :mod:`worker.jobs.tasks` records into these as a job runs; :func:`start_metrics_server` is
 called at the start of each task (idempotent per process, so it works with ``--pool=solo`` and with
 a prefork pool child alike) when ``Settings.metrics_port`` is not 0. The ``longtake_jobs`` gauge is
 read from the database at scrape time by :class:`JobsByStatusCollector`, so every worker reports the

@@ -1,6 +1,6 @@
 """ORM tables (SQLAlchemy 2 typed declarative): ``jobs`` and ``segments``.
 
-Only :mod:`worker.store` reads and writes these; everything else goes through ``JobStore``. The
+Only :mod:`worker.jobs.store` reads and writes these; everything else goes through ``JobStore``. The
 schema is created by the Alembic migrations in ``migrations/`` (never ``create_all`` outside tests of
 SQLite embedded mode); ``tests/integration/test_jobs_migrations.py`` checks the two agree.
 

@@ -19,7 +19,8 @@ from pipeline.errors import RenderError
 from pipeline.host import default_threads
 from pipeline.inputs import validate_hls_directory, validate_output_path
 from pipeline.media_types import FrameSink
-from pipeline.render import RenderProgress, RenderRequest, render
+from pipeline.render import render
+from pipeline.request import RenderProgress, RenderRequest
 from pipeline.sinks import FileSink, HLSDirectorySink
 
 

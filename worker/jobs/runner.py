@@ -1,6 +1,6 @@
 """Runs one render attempt on this worker's NodeEngine (persistent, warm rank processes).
 
-Who calls: :mod:`worker.tasks` — :class:`JobWorker` owns one :class:`NodeExecutor` for the life of
+Who calls: :mod:`worker.jobs.tasks` — :class:`JobWorker` owns one :class:`NodeExecutor` for the life of
 the worker process (started lazily by the first job, on the task's thread: in the prefork pool that
 is the pool child, never the Celery parent). Per attempt it builds a :class:`RenderJob` (plain,
 picklable) and the job's sinks, then calls :meth:`NodeExecutor.run` on the task's thread.
@@ -38,7 +38,7 @@ from pipeline.media_types import Fragment, FrameSink
 from pipeline.placement.relay import SinkRelay
 from pipeline.placement.render_job import RankRenderRequest, RankRenderResult, WarmReport
 from pipeline.request import RenderProgress, RenderResult
-from worker import metrics
+from worker.jobs import metrics
 
 if TYPE_CHECKING:  # torch is imported only where the engine is used, never by the Celery parent
     from pathlib import Path
@@ -267,21 +267,18 @@ class NodeExecutor:
             log.error("%s", exc)
             metrics.STALLS.labels("ranks_killed").inc()
             outcome = RenderOutcome(status="failed", code="render_stalled", message=str(exc), retryable=True)
-        except RenderError as exc:  # from the ranks (original type) or the engine (rank died, ...)
+        except RenderError as exc:
+            # from the ranks (original type), the engine (rank died, ...) or a sink: SinkError,
+            # StorageError, LeaseLostError (worker.errors) all carry their code and retryable flag
             if exc.code == "cancelled":
                 outcome = RenderOutcome(status="cancelled", code="cancelled", message=str(exc))
             else:
                 outcome = RenderOutcome(
                     status="failed", code=exc.code, message=str(exc), retryable=exc.retryable
                 )
-        except Exception as exc:  # a real sink failed (upload, lease lost during a commit)
+        except Exception as exc:  # a sink broke outside the error hierarchy (a bug): retry the attempt
             log.exception("sink failed: %s; the render was stopped", exc)
-            outcome = RenderOutcome(
-                status="failed",
-                code=str(getattr(exc, "code", "sink_error")),
-                message=str(exc),
-                retryable=bool(getattr(exc, "retryable", True)),
-            )
+            outcome = RenderOutcome(status="failed", code="sink_error", message=str(exc), retryable=True)
         finally:
             if relay.opened and not relay.closed:
                 relay.close(ok=False)

@@ -6,7 +6,7 @@ AudioSpecificConfig) and then one Cluster per fMP4 fragment. Every cluster start
 keyframe (FFmpeg's MKV muxer may start a cluster with audio, which KVS rejects as a fragment start),
 followed by the fragment's other video and audio samples as SimpleBlocks in time order.
 
-Who calls what: :class:`worker.kvs_sink.KVSPreviewSink` builds one :class:`MkvStreamWriter` from the
+Who calls what: :class:`worker.delivery.kvs.sink.KVSPreviewSink` builds one :class:`MkvStreamWriter` from the
 init segment, sends ``header()`` at the start of every PutMedia connection and ``cluster(fragment)``
 for each fragment. Nothing is retained between calls but the track table.
 """
@@ -17,7 +17,7 @@ import os
 import struct
 from dataclasses import dataclass
 
-from worker.kvs.fmp4 import Sample, Track, parse_fragment, parse_init
+from worker.delivery.kvs.fmp4_reader import Sample, Track, parse_fragment, parse_init
 
 # Element ids (with their length markers, as written on the wire)
 EBML = 0x1A45DFA3

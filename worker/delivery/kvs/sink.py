@@ -27,8 +27,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from pipeline.media_types import Fragment, InitSegment
-from worker.kvs.mkv import Cluster, MkvStreamWriter
-from worker.kvs.putmedia import AckEvent, PutMediaClient, PutMediaConnection, PutMediaError
+from worker.delivery.kvs.mkv import Cluster, MkvStreamWriter
+from worker.delivery.kvs.putmedia import AckEvent, PutMediaClient, PutMediaConnection, PutMediaError
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,10 @@
 """The render task: claim the row, render on the worker's NodeEngine under a heartbeated lease, end the row.
 
-Who calls: Celery runs :func:`register_tasks`' ``longtake.render_job(job_id)`` (registered by
-:func:`worker.celery_app.create_celery_app`); tests may call :meth:`JobWorker.run` directly. One
-:class:`JobWorker` per process holds the DB engine, the store and the :class:`NodeExecutor` (the
-node's warm rank processes, started by the first job); nothing else survives a task.
+Who calls: the Celery task ``longtake.render_job(job_id)`` (registered by
+:func:`worker.jobs.celery_app.create_worker_app`) calls :meth:`JobWorker.run`; tests may call it
+directly. One :class:`JobWorker` per process holds the DB engine, the store, the delivery factory it
+was built with and the :class:`NodeExecutor` (the node's warm rank processes, started by the first
+job); nothing else survives a task.
 
 One attempt:
 1. ``claim`` (conditional UPDATE). No lease -> the job is running elsewhere, finished, cancelled or
@@ -11,10 +12,11 @@ One attempt:
 2. Fetch inputs (``file://`` re-checked against ``Settings.file_root``; ``s3://`` and ``upload://``
    downloaded into ``work_dir``); read the committed segments and, if any, the resume state of the
    last one.
-3. Build the job's delivery (``Settings.delivery_factory``; default :func:`s3_delivery`) whose
-   ``on_commit`` is the lease-fenced ``JobStore.commit_segment``.
+3. Build the job's delivery (the ``delivery`` factory given to :class:`JobWorker`; default
+   :func:`worker.delivery.job_delivery.s3_delivery`) whose ``on_commit`` is the lease-fenced
+   ``JobStore.commit_segment``.
 4. Start :class:`LeaseKeeper` (heartbeat every ``heartbeat_s`` with the latest progress, poll the
-   cancel flag every ``cancel_poll_s``) and run the render on :class:`worker.runner.NodeExecutor`.
+   cancel flag every ``cancel_poll_s``) and run the render on :class:`worker.jobs.runner.NodeExecutor`.
 5. End the row by outcome: finish | mark_cancelled (+ abandon the multipart upload) | requeue and
    publish a new message (retryable error, attempts left) | fail | nothing (lease lost: the row
    belongs to someone else now).
@@ -30,241 +32,42 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from celery import Celery
 
-from pipeline.errors import InvalidInputError
-from pipeline.media_types import Fragment, FrameSink, InitSegment
+from pipeline.errors import InvalidInputError, RenderError
+from pipeline.media_types import Fragment
 from pipeline.placement.render_job import RankRenderRequest
 from pipeline.request import Renderer, RenderProgress, RenderRequest
-from worker import metrics
-from worker.db import DbRetry, make_engine
+from worker.delivery.job_delivery import DeliveryFactory, JobDelivery, s3_delivery
+from worker.delivery.keys import upload_key
+from worker.delivery.segment import SegmentRecord
+from worker.delivery.storage import open_object_store
+from worker.errors import LeaseLostError, ObjectNotFoundError
+from worker.jobs import metrics
+from worker.jobs.db import DbRetry, make_engine
+from worker.jobs.lease import LeaseKeeper
+from worker.jobs.queue import enqueue_render
+from worker.jobs.records import JobRecord, Lease, Progress
+from worker.jobs.runner import NodeExecutor, RenderJob, RenderOutcome
+from worker.jobs.store import JobStore
 from worker.logging import job_context, set_chunk
-from worker.runner import NodeExecutor, RenderJob, RenderOutcome
 from worker.settings import Settings
-from worker.spec import JobSpec, resolve_file_uri
-from worker.store import JobRecord, JobStore, Lease, LeaseLostError, Progress, SegmentFields, SegmentRecord
+from worker.spec import resolve_file_uri
 
 log = logging.getLogger(__name__)
 
 
-class JobDelivery(Protocol):
-    """Where one attempt's output goes. Built per attempt by ``Settings.delivery_factory`` with the
-    signature of :func:`s3_delivery`; ``on_commit`` must be called for each durably stored fragment
-    (in index order) and raises :class:`LeaseLostError` when the lease is gone."""
-
-    sinks: Sequence[FrameSink]
-
-    def outputs(self) -> dict[str, str]: ...
-    def partial_outputs(self) -> dict[str, str]: ...
-    def load_state(self, key: str) -> bytes: ...
-    def abandon(self) -> None: ...
-
-
-DeliveryFactory = Callable[..., JobDelivery]
-
-
-class _BestEffortSink:
-    """Wraps a preview sink (KVS) so that its failure costs the preview, not the job: the first
-    error is logged and the wrapped sink is dropped for the rest of the attempt."""
-
-    def __init__(self, sink: FrameSink, what: str) -> None:
-        self._sink: FrameSink | None = sink
-        self._what = what
-
-    def _call(self, fn: Callable[[FrameSink], None]) -> None:
-        if self._sink is None:
-            return
-        try:
-            fn(self._sink)
-        except Exception as exc:
-            log.warning("%s failed and is switched off for this attempt: %s", self._what, exc)
-            sink, self._sink = self._sink, None
-            try:
-                sink.close(ok=False)
-            except Exception as close_exc:
-                log.warning("%s: close after failure failed too: %s", self._what, close_exc)
-
-    def open(self, init: InitSegment) -> None:
-        self._call(lambda s: s.open(init))
-
-    def write(self, fragment: Fragment) -> None:
-        self._call(lambda s: s.write(fragment))
-
-    def close(self, *, ok: bool) -> None:
-        self._call(lambda s: s.close(ok=ok))
-        self._sink = None
-
-
-class _S3Delivery:
-    """Adapter from :class:`worker.delivery.S3ProgressiveSink` to :class:`JobDelivery`."""
-
-    def __init__(
-        self,
-        settings: Settings,
-        *,
-        tenant: str,
-        job_id: str,
-        spec: JobSpec,
-        committed: Sequence[SegmentRecord],
-        on_commit: Callable[[SegmentFields], None],
-    ) -> None:
-        from worker.delivery import CommittedSegment, S3ProgressiveSink
-        from worker.storage import job_prefix, open_object_store
-
-        self.store = open_object_store(settings.object_store_url, endpoint_url=settings.s3_endpoint_url)
-        self.prefix = job_prefix(tenant, job_id)
-        self.sink = S3ProgressiveSink(
-            self.store,
-            self.prefix,
-            committed=[CommittedSegment(**asdict(s)) for s in committed],
-            on_commit=on_commit,
-            preview=spec.preview.hls,
-            state_every=settings.state_every,
-        )
-        self.sinks: Sequence[FrameSink] = [self.sink]
-        if spec.preview.kvs is not None:
-            from worker.kvs.putmedia import PutMediaClient
-            from worker.kvs_sink import KVSPreviewSink
-
-            client = PutMediaClient(
-                spec.preview.kvs.stream_name,
-                region=spec.preview.kvs.region,
-                endpoint_url=settings.kvs_endpoint_url,
-            )
-            self.sinks = [self.sink, _BestEffortSink(KVSPreviewSink(client), "kvs preview")]
-
-    def outputs(self) -> dict[str, str]:
-        return self.sink.outputs()
-
-    def partial_outputs(self) -> dict[str, str]:
-        out = {"segments": self.store.uri(self.prefix.rstrip("/")) + "/"}
-        if self.sink.preview:
-            out["hls"] = self.store.uri(self.sink.playlist_key)
-        return out
-
-    def load_state(self, key: str) -> bytes:
-        return self.store.get_bytes(key)
-
-    def abandon(self) -> None:
-        self.sink.abandon()
-
-
-def s3_delivery(
-    settings: Settings,
-    *,
-    tenant: str,
-    job_id: str,
-    spec: JobSpec,
-    committed: Sequence[SegmentRecord],
-    on_commit: Callable[[SegmentFields], None],
-) -> JobDelivery:
-    """The production delivery: preview segments + HLS + one final MP4 in ``object_store_url``."""
-    return _S3Delivery(
-        settings, tenant=tenant, job_id=job_id, spec=spec, committed=committed, on_commit=on_commit
-    )
-
-
 def _load(entry: str) -> Any:
+    """``module:function`` -> the function (``Settings.render_entry``, until the renderer is
+    injected like the delivery)."""
     module, _, name = entry.partition(":")
     return getattr(importlib.import_module(module), name)
-
-
-class LeaseKeeper(threading.Thread):
-    """Heartbeats the lease and polls the cancel flag while the render runs (daemon thread).
-
-    A DB outage longer than the store's retries is logged and retried on the next tick: the lease
-    stays ours as long as the database comes back before it expires.
-
-    Heartbeats prove that this process is alive, not that the render moves: when nothing has been
-    heard from the render for ``stall_s`` (``alive`` is called on every fragment and progress
-    record), the keeper stops heartbeating and lets the lease expire, so the reaper hands the job to
-    another worker and this one's late commits are fenced. The render thread normally acts first
-    (``NodeExecutor.run`` kills stalled ranks after ``progress_timeout_s``); this covers a render
-    thread that is itself stuck, e.g. in a sink call that never returns.
-    """
-
-    def __init__(
-        self,
-        store: JobStore,
-        lease: Lease,
-        *,
-        heartbeat_s: float,
-        cancel_poll_s: float,
-        stall_s: float = float("inf"),
-    ) -> None:
-        super().__init__(name=f"lease-{lease.job_id[:8]}", daemon=True)
-        self.store = store
-        self.lease = lease
-        self.heartbeat_s = heartbeat_s
-        self.cancel_poll_s = cancel_poll_s
-        self.stall_s = stall_s
-        self.progress: Progress | None = None
-        self.lease_lost = False
-        self.stalled = False
-        self.cancel = False
-        self.last_alive = time.monotonic()
-        self._halt = threading.Event()
-        self._wake = threading.Event()
-
-    def alive(self) -> None:
-        """The render produced something (a fragment, a progress record): it is not stalled."""
-        self.last_alive = time.monotonic()
-
-    def report(self, progress: Progress) -> None:
-        """Called per chunk: record it now rather than at the next heartbeat."""
-        self.alive()
-        self.progress = progress
-        self._wake.set()
-
-    def stop_reason(self) -> str | None:
-        return "lease_lost" if self.lease_lost else "cancel" if self.cancel else None
-
-    def stop(self) -> None:
-        self._halt.set()
-        self._wake.set()
-        self.join(timeout=30)
-
-    def run(self) -> None:
-        with job_context(self.lease.job_id):
-            next_beat = time.monotonic() + self.heartbeat_s
-            next_poll = time.monotonic()
-            while not self._halt.is_set():
-                woken = self._wake.wait(max(0.0, min(next_beat, next_poll) - time.monotonic()))
-                self._wake.clear()
-                if self._halt.is_set():
-                    return
-                now = time.monotonic()
-                if now - self.last_alive > self.stall_s:
-                    log.error(
-                        "no fragment or progress from the render for %.0f s (stall bound %.0f s): "
-                        "heartbeats stop so the lease expires and the reaper hands the job to another "
-                        "worker; this worker is stuck (see its stack with py-spy) and needs a restart",
-                        now - self.last_alive,
-                        self.stall_s,
-                    )
-                    metrics.STALLS.labels("lease_released").inc()
-                    self.stalled = self.lease_lost = True
-                    return
-                try:
-                    if woken or now >= next_beat:
-                        if not self.store.heartbeat(self.lease, progress=self.progress):
-                            log.warning("lease lost (another worker owns the job now)")
-                            self.lease_lost = True
-                            return
-                        next_beat = now + self.heartbeat_s
-                    if now >= next_poll:
-                        if self.store.cancel_requested(self.lease.job_id):
-                            self.cancel = True
-                        next_poll = now + self.cancel_poll_s
-                except Exception:
-                    log.exception("heartbeat/cancel poll failed; retrying on the next tick")
 
 
 class JobWorker:
@@ -273,7 +76,11 @@ class JobWorker:
     _instances: dict[int, JobWorker] = {}
     _lock = threading.Lock()
 
-    def __init__(self, settings: Settings, celery: Celery | None = None) -> None:
+    def __init__(
+        self, settings: Settings, celery: Celery | None = None, *, delivery: DeliveryFactory = s3_delivery
+    ) -> None:
+        """``celery`` publishes the message of a requeued job (None: it waits for the next one);
+        ``delivery`` builds each attempt's sinks (tests pass their fake here)."""
         self.settings = settings
         self.celery = celery
         self.engine = make_engine(settings.database_url, pool_size=2)
@@ -283,7 +90,7 @@ class JobWorker:
             retry=DbRetry(settings.db_retry_attempts, settings.db_retry_max_wait_s),
         )
         self.owner = settings.worker_name or f"{socket.gethostname()}:{os.getpid()}"
-        self.delivery_factory: DeliveryFactory = _load(settings.delivery_factory)
+        self.delivery_factory = delivery
         self.renderer: Renderer = _load(settings.render_entry)
         self.node = NodeExecutor(
             ranks=settings.node_ranks,
@@ -294,12 +101,14 @@ class JobWorker:
         )
 
     @classmethod
-    def for_process(cls, settings: Settings, celery: Celery | None = None) -> JobWorker:
+    def for_process(
+        cls, settings: Settings, celery: Celery | None = None, *, delivery: DeliveryFactory = s3_delivery
+    ) -> JobWorker:
         """One per process (engines must not cross a fork: keyed by pid)."""
         with cls._lock:
             inst = cls._instances.get(os.getpid())
             if inst is None:
-                inst = cls._instances[os.getpid()] = cls(settings, celery)
+                inst = cls._instances[os.getpid()] = cls(settings, celery, delivery=delivery)
                 atexit.register(inst.node.close, settings.kill_grace_s)  # ranks also die with the process (PDEATHSIG)
             return inst
 
@@ -347,7 +156,7 @@ class JobWorker:
         workdir = self.settings.work_dir / lease.job_id / f"attempt-{lease.attempt}"
         lost = threading.Event()
 
-        def on_commit(seg: SegmentFields) -> None:
+        def on_commit(seg: SegmentRecord) -> None:
             try:
                 self.store.commit_segment(lease, seg)
             except LeaseLostError:
@@ -375,9 +184,9 @@ class JobWorker:
             return self._retry_or_fail(
                 lease,
                 None,
-                code=str(getattr(exc, "code", "prepare_failed")),
+                code="prepare_failed",
                 message=f"preparing the render failed: {exc}",
-                retryable=bool(getattr(exc, "retryable", True)),
+                retryable=exc.retryable if isinstance(exc, RenderError) else True,
             )
         if committed:
             log.info("resuming after committed segment %d", committed[-1].index)
@@ -504,8 +313,6 @@ class JobWorker:
         return "failed"
 
     def _publish(self, job_id: str) -> None:
-        from worker.celery_app import enqueue_render
-
         if self.celery is None:
             log.warning("no Celery app: requeued job %s waits for the next message", job_id)
             return
@@ -538,8 +345,6 @@ class JobWorker:
             if not path.is_file():
                 raise InvalidInputError(f"{field}: {uri!r} does not exist or is not a file", field=field)
             return path
-        from worker.storage import ObjectNotFoundError, open_object_store
-
         if parts.scheme == "s3":
             store = open_object_store(f"s3://{parts.netloc}", endpoint_url=self.settings.s3_endpoint_url)
             key = unquote(parts.path).lstrip("/")
@@ -547,7 +352,7 @@ class JobWorker:
             store = open_object_store(
                 self.settings.object_store_url, endpoint_url=self.settings.s3_endpoint_url
             )
-            key = f"tenants/{rec.tenant}/uploads/{parts.netloc}"
+            key = upload_key(rec.tenant, parts.netloc)
         dest = workdir / f"{field}{Path(key).suffix}"
         dest.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -555,14 +360,3 @@ class JobWorker:
         except ObjectNotFoundError as exc:
             raise InvalidInputError(f"{field}: {uri!r} does not exist; upload it again", field=field) from exc
         return dest
-
-
-def register_tasks(celery: Celery) -> None:
-    """Register ``longtake.render_job`` on ``celery`` (its conf carries ``longtake_settings``)."""
-    from worker.celery_app import RENDER_TASK_NAME
-
-    @celery.task(
-        name=RENDER_TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True
-    )
-    def render_job(self: Any, job_id: str) -> str:
-        return JobWorker.for_process(celery.conf.longtake_settings, celery).run(job_id)

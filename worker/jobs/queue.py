@@ -1,8 +1,10 @@
-"""The Celery application: Redis broker, configured for tasks that run for hours.
+"""The render queue: the Celery configuration and the one message, ``longtake.render_job(job_id)``.
 
-``celery -A worker.celery_app worker --pool=solo -c 1 -Q longtake`` (or ``longtake worker``) loads
-the module-level :data:`app`. The API and the reaper publish with :func:`enqueue_render`; the message
-carries only the job id — the job row is the truth and the result (no result backend).
+Who calls what: the API and the reaper publish with :func:`enqueue_render` on an app from
+:func:`create_celery_app` (configured, no tasks: publishing needs none); the worker process builds
+its app with :func:`worker.jobs.celery_app.create_worker_app`, which starts from the same
+configuration. The message carries only the job id — the job row is the truth and the result (no
+result backend).
 
 Why each setting:
 - one task at a time, no hidden prefetch: ``worker_prefetch_multiplier=1``, concurrency 1; a second
@@ -17,25 +19,15 @@ Why each setting:
 - connection loss: retry forever on startup and while running (``broker_connection_max_retries=None``),
   short socket timeouts so a dead Redis is noticed, and ``worker_cancel_long_running_tasks_on_connection_loss``
   off: a Redis restart must not abort a render whose progress lives in PostgreSQL.
-
-The reaper (``Settings.reaper_enabled``) runs as a daemon thread in every worker's main process,
-started on ``worker_ready``; ``longtake reap`` is the same loop as a separate command.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from celery import Celery, signals
+from celery import Celery
 
 from worker.settings import Settings
-
-if TYPE_CHECKING:
-    from worker.store import JobStore
-
-log = logging.getLogger(__name__)
 
 RENDER_TASK_NAME = "longtake.render_job"
 
@@ -100,14 +92,11 @@ def _redis_transport_options(settings: Settings) -> dict[str, Any]:
 
 
 def create_celery_app(settings: Settings) -> Celery:
-    """A Celery app for ``settings`` with the render task registered."""
+    """A Celery app configured for ``settings``, with no tasks: what publishers (the API, the
+    reaper, ``longtake reap``) need. Connects to nothing until the first publish."""
     celery = Celery("longtake")
     celery.conf.update(celery_config(settings))
     celery.conf.longtake_settings = settings
-    # registers RENDER_TASK_NAME on every app created here
-    from worker.tasks import register_tasks
-
-    register_tasks(celery)
     return celery
 
 
@@ -115,69 +104,3 @@ def enqueue_render(celery: Celery, job_id: str, *, queue: str, priority: int = 5
     """Publish the render message for ``job_id`` (the only payload). Redis' priority queue treats a
     lower number as more urgent, so JobSpec.priority (9 = highest) is inverted here."""
     celery.send_task(RENDER_TASK_NAME, args=[job_id], queue=queue, priority=9 - max(0, min(9, priority)))
-
-
-def reap_once(store: JobStore, celery: Celery, *, queue: str) -> list[str]:
-    """One reaper pass (``longtake reap`` and the worker's reaper thread): requeue expired leases
-    and publish a fresh message for each requeued job (its old one died with its worker)."""
-    from worker.metrics import REAPED
-
-    ids = store.requeue_expired()
-    for job_id in ids:
-        REAPED.inc()
-        rec = store.get(job_id)
-        enqueue_render(celery, job_id, queue=queue, priority=rec.spec.priority if rec is not None else 5)
-        log.info("reaper: republished job %s", job_id, extra={"job_id": job_id})
-    return ids
-
-
-def reaper_loop(celery: Celery, settings: Settings, stop: threading.Event) -> None:
-    """Requeue expired leases every ``reaper_interval_s`` and publish a message for each requeued
-    job (its old message died with its worker). Runs until ``stop`` is set; errors are logged and
-    the loop goes on (a DB or broker outage must not kill the thread)."""
-    from worker.db import DbRetry, make_engine
-    from worker.store import JobStore
-
-    engine = make_engine(settings.database_url, pool_size=1)
-    store = JobStore(
-        engine,
-        max_attempts=settings.max_attempts,
-        retry=DbRetry(settings.db_retry_attempts, settings.db_retry_max_wait_s),
-    )
-    try:
-        while not stop.wait(settings.reaper_interval_s):
-            try:
-                reap_once(store, celery, queue=settings.queue_name)
-            except Exception:
-                log.exception("reaper pass failed; retrying in %.1f s", settings.reaper_interval_s)
-    finally:
-        engine.dispose()
-
-
-_reaper_stop = threading.Event()
-
-
-@signals.setup_logging.connect
-def _setup_logging(**_: Any) -> None:
-    from worker.logging import configure_logging
-
-    s: Settings = app.conf.longtake_settings
-    configure_logging(s.log_level, json_lines=s.log_json)
-
-
-@signals.worker_ready.connect
-def _start_reaper(sender: Any = None, **_: Any) -> None:
-    s: Settings = app.conf.longtake_settings
-    if s.reaper_enabled and s.reaper_interval_s > 0:
-        threading.Thread(
-            target=reaper_loop, args=(app, s, _reaper_stop), name="longtake-reaper", daemon=True
-        ).start()
-        log.info("reaper thread started (every %.1f s)", s.reaper_interval_s)
-
-
-@signals.worker_shutdown.connect
-def _stop_reaper(**_: Any) -> None:
-    _reaper_stop.set()
-
-
-app = create_celery_app(Settings())

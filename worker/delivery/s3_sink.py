@@ -1,5 +1,9 @@
 """Progressive delivery to object storage: preview segments + HLS playlist + one final MP4.
 
+Size: ~640 lines, one class on purpose: the upload thread's state (pending run, multipart parts,
+commits waiting for their part, the resume reconciliation) is read by every step, and the resume
+path must be read next to the write path it replays.
+
 Who calls what: the worker builds one :class:`S3ProgressiveSink` per render attempt and hands it to
 ``pipeline.render.render`` as a :class:`~pipeline.media_types.FrameSink`. The render thread calls
 ``open(init)``, ``write(fragment)`` per emission and ``close(ok=...)``; everything that touches the
@@ -9,7 +13,7 @@ store happens on the sink's own upload thread, in fragment order:
    ``state_every``-th fragment: a state is larger than a segment with the tiny preset), then
    ``index.m3u8`` (HLS EVENT playlist, ``EXT-X-MAP`` -> ``init.mp4``) rewritten so it references only
    segments already uploaded (skipped when the rewrites would exceed ``playlist_budget`` of the
-   segment bytes — only in very long low-bitrate renders); then ``on_commit(CommittedSegment)``;
+   segment bytes — only in very long low-bitrate renders); then ``on_commit(SegmentRecord)``;
 2. the fragment joins the pending run of the final MP4; whenever init + pending runs reach
    ``part_min_bytes`` (5 MiB, S3's minimum part size) the run is uploaded as the next part of one
    multipart upload of ``final.mp4``, and a :class:`MultipartState` JSON (upload id, parts with their
@@ -54,7 +58,10 @@ from typing import IO, TypeVar
 from pipeline.errors import SinkError
 from pipeline.media_types import Fragment, InitSegment
 from pipeline.sinks import HLS_INIT, HLS_PLAYLIST, hls_segment_name, hls_target_duration, render_hls_playlist
-from worker.storage import ObjectNotFoundError, ObjectStore, StorageError, safe_key
+from worker.delivery.keys import safe_key
+from worker.delivery.object_store import ObjectStore
+from worker.delivery.segment import SegmentRecord
+from worker.errors import ObjectNotFoundError, StorageError
 
 logger = logging.getLogger(__name__)
 
@@ -66,20 +73,6 @@ FINAL_NAME = "final.mp4"
 INIT_NAME = HLS_INIT
 PLAYLIST_NAME = HLS_PLAYLIST
 MULTIPART_STATE_NAME = "final.mp4.multipart.json"
-
-
-@dataclass(frozen=True)
-class CommittedSegment:
-    """One fragment durably delivered; stored on the job row by ``JobStore.commit_segment``."""
-
-    index: int
-    key: str
-    nbytes: int
-    duration_s: float
-    checksum: str  # sha256 hex of the fragment bytes
-    state_key: str | None
-    first_frame: int
-    num_frames: int
 
 
 @dataclass(frozen=True)
@@ -140,7 +133,7 @@ class DeliveryCounters:
 def presigned_playlist(store: ObjectStore, prefix: str, *, expires_s: int = 3600) -> str:
     """The job's current HLS playlist with the init and segment URIs replaced by presigned GET URLs,
     for players that cannot sign requests (the API serves it; ``longtake preview`` points at it).
-    Raises :class:`worker.storage.ObjectNotFoundError` before the first segment has landed."""
+    Raises :class:`worker.delivery.storage.ObjectNotFoundError` before the first segment has landed."""
     text = store.get_bytes(safe_key(prefix, PLAYLIST_NAME)).decode()
     out = []
     for line in text.splitlines():
@@ -209,8 +202,8 @@ class S3ProgressiveSink:
         store: ObjectStore,
         prefix: str,
         *,
-        committed: Sequence[CommittedSegment] = (),
-        on_commit: Callable[[CommittedSegment], None],
+        committed: Sequence[SegmentRecord] = (),
+        on_commit: Callable[[SegmentRecord], None],
         preview: bool = True,
         multipart_state: MultipartState | None = None,
         on_multipart: Callable[[MultipartState], None] | None = None,
@@ -249,7 +242,7 @@ class S3ProgressiveSink:
                 f"committed segment indices {[s.index for s in done]} are not 0..n-1; pass the job's "
                 "committed segments in full"
             )
-        self._committed: list[CommittedSegment] = done
+        self._committed: list[SegmentRecord] = done
         self._resume_mp = multipart_state
         self._next_write = len(done)  # next fragment index the render must write
         self._replay_next: int | None = None  # next re-rendered committed fragment expected (see write)
@@ -346,7 +339,7 @@ class S3ProgressiveSink:
 
     # ------------------------------------------------------------------ public helpers
     @property
-    def committed(self) -> list[CommittedSegment]:
+    def committed(self) -> list[SegmentRecord]:
         return list(self._committed)
 
     @property
@@ -525,7 +518,7 @@ class S3ProgressiveSink:
             if state is not None and fragment.index % self._state_every == 0:
                 state_key = safe_key(self.prefix, f"state_{fragment.index:05d}.bin")
                 self._put(state_key, state, "state_bytes", "application/octet-stream")
-            seg = CommittedSegment(fragment.index, key, len(data), fragment.duration_s, checksum, state_key,
+            seg = SegmentRecord(fragment.index, key, len(data), fragment.duration_s, checksum, state_key,
                                    fragment.first_frame, fragment.num_frames)
             self._committed.append(seg)
             self._put_playlist(ended=False, optional=True)
@@ -536,7 +529,7 @@ class S3ProgressiveSink:
                 self._last_state = (fragment.index, state)
         self._add_pending(fragment.index, data)
 
-    def _commit(self, seg: CommittedSegment) -> None:
+    def _commit(self, seg: SegmentRecord) -> None:
         try:
             self._on_commit(seg)
         except Exception as exc:
@@ -610,7 +603,7 @@ class S3ProgressiveSink:
             self._put(state_key, state, "state_bytes", "application/octet-stream")
             self._last_state = None
         for frag, checksum, nbytes in self._unpart_commits:
-            seg = CommittedSegment(frag.index, self.final_key, nbytes, frag.duration_s, checksum,
+            seg = SegmentRecord(frag.index, self.final_key, nbytes, frag.duration_s, checksum,
                                    state_key if frag.index == state_index else None, frag.first_frame,
                                    frag.num_frames)
             self._committed.append(seg)

@@ -1,8 +1,12 @@
 """The ``longtake`` command: render locally, talk to the API, run the services.
 
+Size: ~550 lines: the parser and eleven small subcommand functions, each a few lines next to the
+others; ``render`` lives in :mod:`worker.cli.render`. Split the client and service commands into
+modules of their own when one of them grows.
+
 ``main(argv)`` is the console-script entry point (``longtake = "worker.cli:main"``). Subcommands:
 
-- ``render``  — render one video on this machine (delegates to ``worker.render_cli:main``; imported
+- ``render``  — render one video on this machine (delegates to ``worker.cli.render:main``; imported
   only in that branch, so rendering never imports Celery or SQLAlchemy);
 - ``submit | status | wait | fetch | cancel | preview`` — HTTP API client commands
   (:class:`worker.client.LongtakeClient`); ``--api``/``--token`` or ``LONGTAKE_API_URL`` /
@@ -184,9 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    # `render` owns its own argument parser (the lead's worker/render_cli.py): hand over everything.
+    # `render` owns its own argument parser (the lead's worker/cli/render.py): hand over everything.
     if args_list and args_list[0] == "render":
-        from worker.render_cli import main as render_main
+        from worker.cli.render import main as render_main
 
         return int(render_main(args_list[1:]) or 0)
     parser = build_parser()
@@ -216,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _settings() -> Settings:
     from worker.settings import Settings
 
-    return Settings()  # type: ignore[call-arg]  # every field has a default; values come from env
+    return Settings()  # every field has a default; values come from the environment
 
 
 def _client(args: argparse.Namespace) -> LongtakeClient:
@@ -400,7 +404,7 @@ def worker_argv(settings: Settings, *, hostname: str | None, loglevel: str | Non
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from worker.celery_app import app
+    from worker.jobs.celery_app import app
 
     settings = _settings()
     app.worker_main(worker_argv(settings, hostname=args.hostname, loglevel=args.loglevel))
@@ -410,8 +414,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from worker.api import create_app
-    from worker.celery_app import create_celery_app
+    from worker.api.app import create_app
+    from worker.jobs.queue import create_celery_app
 
     settings = _settings()
     celery = create_celery_app(settings)
@@ -426,7 +430,7 @@ def cmd_api(args: argparse.Namespace) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    from worker.db import migrate
+    from worker.jobs.db import migrate
 
     settings = _settings()
     migrate(settings.database_url)
@@ -435,9 +439,10 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_reap(args: argparse.Namespace) -> int:
-    from worker.celery_app import create_celery_app, reap_once
-    from worker.db import make_engine
-    from worker.store import JobStore
+    from worker.jobs.db import make_engine
+    from worker.jobs.queue import create_celery_app
+    from worker.jobs.reaper import reap_once
+    from worker.jobs.store import JobStore
 
     settings = _settings()
     store = JobStore(make_engine(settings.database_url), max_attempts=settings.max_attempts)
@@ -548,6 +553,3 @@ _COMMANDS = {
     "up": cmd_up,
 }
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """Engine creation and the bounded retry every JobStore operation runs under.
 
 Who calls: entry points (CLI, Celery worker start, API factory) call :func:`make_engine` once per
-process with ``Settings.database_url`` and hand the engine to :class:`worker.store.JobStore`.
+process with ``Settings.database_url`` and hand the engine to :class:`worker.jobs.store.JobStore`.
 Engines must not be created at import time, and must not cross a ``fork`` (the render child is
 spawned, and never touches the database).
 
@@ -102,7 +102,7 @@ def alembic_config(url: str) -> Any:
     from alembic.config import Config
 
     cfg = Config()
-    cfg.set_main_option("script_location", str(Path(__file__).resolve().parent.parent / "migrations"))
+    cfg.set_main_option("script_location", str(Path(__file__).resolve().parents[2] / "migrations"))
     # '%' would be read as interpolation by ConfigParser
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return cfg

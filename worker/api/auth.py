@@ -1,6 +1,6 @@
 """Bearer-token authentication for the HTTP API: one token (or several) per tenant.
 
-The API factory (:func:`worker.api.create_app`) builds one :class:`TokenAuth` from
+The API factory (:func:`worker.api.app.create_app`) builds one :class:`TokenAuth` from
 ``Settings.api_tokens`` (``LONGTAKE_API_TOKENS="tenantA:tokenA,tenantB:tokenB"``) and calls
 :meth:`TokenAuth.tenant_for` once per request. Tokens are compared in constant time against every
 configured token (no early exit), so response timing does not reveal which prefix of a token matched
@@ -137,7 +137,7 @@ class PreviewSigner:
     playlist URL carries its own proof instead: ``exp`` (unix seconds) and ``sig`` =
     HMAC-SHA256(key, ``"<job_id>:<exp>"``). The key is derived from the configured API tokens, so
     rotating the tokens also revokes every outstanding preview link. Built once per app by
-    :func:`worker.api.create_app`.
+    :func:`worker.api.app.create_app`.
     """
 
     def __init__(self, tokens: Mapping[str, str]) -> None:
