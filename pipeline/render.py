@@ -25,13 +25,12 @@ from pipeline.inputs import AudioSource, load_reference_image
 from pipeline.media_types import FrameSink
 from pipeline.pipeline import Mode
 from pipeline.publish import Publisher
-from pipeline.request import RenderProgress, RenderRequest, RenderResult
+from pipeline.request import MAX_TEXT_CHARS, RenderProgress, RenderRequest, RenderResult
 from pipeline.schedule import ChunkPlan, PlanError, frames_for_audio
 from pipeline.state import RollingState
 
 log = logging.getLogger(__name__)
 
-MAX_TEXT_CHARS = 2000
 
 
 def validate_request(request: RenderRequest) -> None:

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 
 RenderMode = Literal["streaming", "batch"]
 
+MAX_TEXT_CHARS = 2000
+"""Longest text/scene prompt ``render()`` accepts (the job spec refuses longer ones at submit)."""
+
 
 @dataclass(frozen=True)
 class RenderRequest:

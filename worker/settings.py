@@ -123,11 +123,6 @@ class Settings(BaseSettings):
     )
 
     # --- rendering ----------------------------------------------------------------------------
-    render_entry: str = Field(
-        default="pipeline.render:render",
-        description="module:function of the render entry point every rank process calls (its module "
-        "also defines RenderRequest)",
-    )
     node_ranks: int = Field(
         default=1,
         ge=1,

@@ -28,9 +28,7 @@ from urllib.parse import unquote, urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from pipeline.families import DEFAULT_FAMILY, FAMILIES
-
-TEXT_MAX_CHARS = 2000
-"""Longest text/scene prompt accepted; longer prompts are truncated by no one — they are rejected."""
+from pipeline.request import MAX_TEXT_CHARS
 
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 _UPLOAD_ID_RE = re.compile(r"^[A-Za-z0-9_\-]{8,64}$")
@@ -182,7 +180,7 @@ class JobSpec(BaseModel):
     )
     audio: str = Field(description="Driving audio URI: s3://, file:// (under the allowed root) or upload://")
     text: str | None = Field(
-        default=None, description=f"Optional text/scene prompt, at most {TEXT_MAX_CHARS} characters"
+        default=None, description=f"Optional text/scene prompt, at most {MAX_TEXT_CHARS} characters"
     )
     seed: int = Field(
         default=0, ge=0, lt=2**63, description="Seed; the same seed and inputs give the same video"
@@ -208,9 +206,9 @@ class JobSpec(BaseModel):
     def _text(cls, v: str | None) -> str | None:
         if v is None:
             return None
-        if len(v) > TEXT_MAX_CHARS:
+        if len(v) > MAX_TEXT_CHARS:
             raise ValueError(
-                f"text: {len(v)} characters is over the limit of {TEXT_MAX_CHARS}; shorten the prompt"
+                f"text: {len(v)} characters is over the limit of {MAX_TEXT_CHARS}; shorten the prompt"
             )
         if "\x00" in v:
             raise ValueError("text: contains a NUL character; remove it")

@@ -284,7 +284,6 @@ def make_env(tmp: Path, database_url: str, broker_url: str, **overrides: str) ->
             "LONGTAKE_OBJECT_STORE_URL": f"file://{tmp}/objects",
             "LONGTAKE_FILE_ROOT": str(tmp / "in"),
             "LONGTAKE_WORK_DIR": str(tmp / "work"),
-            "LONGTAKE_RENDER_ENTRY": "fake_pipeline:render",
             # one queue per test: a message can only reach this test's workers
             "LONGTAKE_QUEUE_NAME": f"longtake-test-{uuid.uuid4().hex[:10]}",
             "LONGTAKE_LEASE_S": "3",

@@ -8,7 +8,7 @@ nothing. Everything else builds its own app with :func:`create_worker_app` (a wo
 
 :func:`create_worker_app` registers ``longtake.render_job(job_id)``, whose body is
 :meth:`worker.jobs.tasks.JobWorker.run` on the process' one ``JobWorker`` (built with the
-``delivery`` factory given here: tests pass their fake), and connects the worker-process signals:
+``delivery`` factory and ``renderer`` given here: tests pass their fakes), and connects the worker-process signals:
 logging is configured on ``setup_logging``; the reaper (``Settings.reaper_enabled``) runs as a
 daemon thread in the worker's main process from ``worker_ready`` until ``worker_shutdown``.
 The queue configuration and why each setting is there: :mod:`worker.jobs.queue`.
@@ -22,6 +22,7 @@ from typing import Any
 
 from celery import Celery, signals
 
+from pipeline.request import Renderer
 from worker.delivery.job_delivery import DeliveryFactory, s3_delivery
 from worker.jobs.queue import RENDER_TASK_NAME, create_celery_app
 from worker.jobs.reaper import reaper_loop
@@ -32,13 +33,16 @@ from worker.settings import Settings
 log = logging.getLogger(__name__)
 
 
-def create_worker_app(settings: Settings, *, delivery: DeliveryFactory = s3_delivery) -> Celery:
+def create_worker_app(
+    settings: Settings, *, delivery: DeliveryFactory = s3_delivery, renderer: Renderer | None = None
+) -> Celery:
     """The Celery app a worker process serves: the queue configuration of ``settings``, the render
-    task (rendering into ``delivery``'s sinks) and the worker-process signals. Build one per process."""
+    task (``renderer`` — default ``pipeline.render.render`` — rendering into ``delivery``'s sinks) and
+    the worker-process signals. Build one per process."""
     celery = create_celery_app(settings)
 
     def render_job(job_id: str) -> str:
-        return JobWorker.for_process(settings, celery, delivery=delivery).run(job_id)
+        return JobWorker.for_process(settings, celery, delivery=delivery, renderer=renderer).run(job_id)
 
     # Celery ships no types: registered by a call rather than its (untyped) decorator
     celery.task(

@@ -25,7 +25,6 @@ One attempt:
 from __future__ import annotations
 
 import atexit
-import importlib
 import logging
 import os
 import shutil
@@ -35,7 +34,6 @@ import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from celery import Celery
@@ -63,13 +61,6 @@ from worker.spec import resolve_file_uri
 log = logging.getLogger(__name__)
 
 
-def _load(entry: str) -> Any:
-    """``module:function`` -> the function (``Settings.render_entry``, until the renderer is
-    injected like the delivery)."""
-    module, _, name = entry.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
 class JobWorker:
     """Runs render attempts in this process (one at a time)."""
 
@@ -77,10 +68,17 @@ class JobWorker:
     _lock = threading.Lock()
 
     def __init__(
-        self, settings: Settings, celery: Celery | None = None, *, delivery: DeliveryFactory = s3_delivery
+        self,
+        settings: Settings,
+        celery: Celery | None = None,
+        *,
+        delivery: DeliveryFactory = s3_delivery,
+        renderer: Renderer | None = None,
     ) -> None:
         """``celery`` publishes the message of a requeued job (None: it waits for the next one);
-        ``delivery`` builds each attempt's sinks (tests pass their fake here)."""
+        ``delivery`` builds each attempt's sinks and ``renderer`` renders on the ranks (a
+        module-level function with ``pipeline.render.render``'s signature, which is the default;
+        tests pass their fakes here)."""
         self.settings = settings
         self.celery = celery
         self.engine = make_engine(settings.database_url, pool_size=2)
@@ -91,7 +89,11 @@ class JobWorker:
         )
         self.owner = settings.worker_name or f"{socket.gethostname()}:{os.getpid()}"
         self.delivery_factory = delivery
-        self.renderer: Renderer = _load(settings.render_entry)
+        if renderer is None:  # the real pipeline (imports the model code: only where a job runs)
+            from pipeline.render import render
+
+            renderer = render
+        self.renderer: Renderer = renderer
         self.node = NodeExecutor(
             ranks=settings.node_ranks,
             device=settings.resolved_node_device(),
@@ -102,13 +104,18 @@ class JobWorker:
 
     @classmethod
     def for_process(
-        cls, settings: Settings, celery: Celery | None = None, *, delivery: DeliveryFactory = s3_delivery
+        cls,
+        settings: Settings,
+        celery: Celery | None = None,
+        *,
+        delivery: DeliveryFactory = s3_delivery,
+        renderer: Renderer | None = None,
     ) -> JobWorker:
         """One per process (engines must not cross a fork: keyed by pid)."""
         with cls._lock:
             inst = cls._instances.get(os.getpid())
             if inst is None:
-                inst = cls._instances[os.getpid()] = cls(settings, celery, delivery=delivery)
+                inst = cls._instances[os.getpid()] = cls(settings, celery, delivery=delivery, renderer=renderer)
                 atexit.register(inst.node.close, settings.kill_grace_s)  # ranks also die with the process (PDEATHSIG)
             return inst
 
