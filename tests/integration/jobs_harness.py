@@ -1,5 +1,5 @@
 """Helpers for the job/worker integration tests (fixtures in conftest.py): a fresh migrated PostgreSQL database per test
-(cloned from a migrated template), a flushed Redis db, and real Celery worker PROCESSES running the
+(cloned from a migrated template), a Celery queue of its own, and real Celery worker PROCESSES running the
 fake render (tests/integration/fake_pipeline.py).
 
 Servers: PostgreSQL 127.0.0.1:5432 (user postgres, trust) and Redis 127.0.0.1:6379 db 1; tests that
