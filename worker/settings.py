@@ -1,8 +1,7 @@
 """Deployment settings: the only place that reads environment variables (prefix ``LONGTAKE_``).
 
-Built once per process by its entry point (CLI command, Celery worker start, API app factory) with
-``Settings()`` and passed down; nothing creates settings at import time except
-:mod:`worker.celery_app`, whose module-level ``app`` is what ``celery -A worker.celery_app`` loads.
+Built once per process by its entry point (CLI command, the worker app's first access, API app
+factory) with ``Settings()`` and passed down; nothing creates settings at import time.
 Each component receives the fields it needs, not the whole object.
 
 The defaults are the embedded ones (SQLite, a local directory as object store) so a laptop needs
@@ -151,10 +150,6 @@ class Settings(BaseSettings):
         le=1024,
         description="torch threads per rank; 0 = the rank's share of the cores minus one for its "
         "publisher thread (pipeline.host.default_threads)",
-    )
-    delivery_factory: str = Field(
-        default="worker.tasks:s3_delivery",
-        description="module:function building a job's sinks (see worker.tasks.JobDelivery)",
     )
     checkpoint: Path | None = Field(
         default=None, description="Model checkpoint for the preset (None = preset default)"

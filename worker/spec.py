@@ -3,7 +3,7 @@
 Who builds one: the HTTP API (from JSON or a multipart upload), the Python client, the CLI. The store
 keeps ``JobSpec.model_dump(mode="json")`` in ``jobs.spec``; the worker rebuilds it with
 ``JobSpec.model_validate`` when it claims the job. The tenant is NOT part of the spec: it comes from
-authentication and is passed to :meth:`worker.store.JobStore.create` separately.
+authentication and is passed to :meth:`worker.jobs.store.JobStore.create` separately.
 
 Input URIs take one of three forms:
 
@@ -195,8 +195,8 @@ class JobSpec(BaseModel):
     idempotency_key: str | None = Field(
         default=None, description="Client key; a second submission with the same key returns the first job"
     )
-    output: OutputSpec = Field(default_factory=OutputSpec)  # type: ignore[arg-type]
-    preview: PreviewSpec = Field(default_factory=PreviewSpec)  # type: ignore[arg-type]
+    output: OutputSpec = Field(default_factory=OutputSpec)
+    preview: PreviewSpec = Field(default_factory=PreviewSpec)
 
     @field_validator("image", "audio")
     @classmethod

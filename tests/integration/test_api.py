@@ -27,14 +27,16 @@ from sqlalchemy.engine import Engine
 
 from tests.integration import kvs_standin
 from tests.integration.s3_fixtures import MotoServer
-from worker import api as api_module
-from worker.api import create_app, upload_key
-from worker.celery_app import RENDER_TASK_NAME, create_celery_app
+from worker.api import uploads as api_module
+from worker.api.app import create_app
 from worker.client import LongtakeAPIError, LongtakeClient
-from worker.db import make_engine, migrate
+from worker.delivery.keys import job_prefix, upload_key
+from worker.delivery.local_store import LocalObjectStore
+from worker.delivery.object_store import ObjectStore
+from worker.jobs.db import make_engine, migrate
+from worker.jobs.queue import RENDER_TASK_NAME, create_celery_app
+from worker.jobs.store import JobStore
 from worker.settings import Settings
-from worker.storage import LocalObjectStore, ObjectStore, job_prefix
-from worker.store import JobStore
 
 pytestmark = pytest.mark.integration
 

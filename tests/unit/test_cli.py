@@ -166,13 +166,13 @@ def test_render_is_delegated_without_importing_celery_or_sqlalchemy(tmp_path: Pa
     code = f"""
 import sys, types, json
 sys.path.insert(0, {str(ROOT)!r})
-mod = types.ModuleType("worker.render_cli")
+mod = types.ModuleType("worker.cli.render")
 seen = []
 def main(argv):
     seen.append(list(argv))
     return 7
 mod.main = main
-sys.modules["worker.render_cli"] = mod
+sys.modules["worker.cli.render"] = mod
 from worker.cli import main as cli_main
 rc = cli_main(["render", "--image", "x.png", "--help"])
 heavy = sorted(m for m in ("celery", "sqlalchemy", "fastapi", "boto3", "kombu") if m in sys.modules)
@@ -318,9 +318,9 @@ def test_migrate_then_reap_requeues_an_expired_lease_and_republishes(
     from kombu import Connection
     from sqlalchemy import inspect
 
-    from worker.db import make_engine
+    from worker.jobs.db import make_engine
+    from worker.jobs.store import JobStore
     from worker.spec import JobSpec
-    from worker.store import JobStore
 
     for key, value in cli.embedded_env(tmp_path, host="127.0.0.1", port=8000, token="t" * 16).items():
         monkeypatch.setenv(key, value)

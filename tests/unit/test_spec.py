@@ -95,7 +95,7 @@ def test_kvs_and_idempotency_key() -> None:
 
 
 def test_settings_guard_long_jobs_and_celery_config() -> None:
-    from worker.celery_app import celery_config
+    from worker.jobs.queue import celery_config
     from worker.settings import Settings
 
     with pytest.raises(ValidationError, match="visibility_timeout_s"):
