@@ -50,6 +50,10 @@ QUEUE_WAIT = Histogram(
 )
 BUSY = Gauge("longtake_worker_busy", "1 while this worker process runs a job")
 REAPED = Counter("longtake_leases_reaped", "Expired leases the reaper requeued")
+REPUBLISHED = Counter(
+    "longtake_messages_republished",
+    "Queued jobs whose message the sweeper (re)sent: never published, or lost by the broker",
+)
 STALLS = Counter(
     "longtake_render_stalls",
     "Renders that sent nothing for progress_timeout_s, by what was done: ranks_killed (the render "

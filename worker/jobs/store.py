@@ -9,7 +9,8 @@ Who calls what:
 - the Celery task (:mod:`worker.jobs.tasks`): :meth:`claim`, :meth:`heartbeat`, :meth:`commit_segment`
   (from the delivery sink's ``on_commit``), :meth:`finish`, :meth:`fail`, :meth:`requeue`,
   :meth:`mark_cancelled`, :meth:`cancel_requested`;
-- the reaper (a thread in every worker, or ``longtake reap``): :meth:`requeue_expired`.
+- the reaper (a thread in every worker, or ``longtake reap``): :meth:`requeue_expired`, and the
+  outbox sweep :meth:`take_unpublished` (the API calls :meth:`mark_unpublished` when a send fails).
 
 Leases. ``claim`` is one conditional UPDATE: it succeeds when the job is ``queued``, or ``running``
 with an expired lease that the reaper has not requeued yet (we take it over directly: a redelivered
@@ -107,6 +108,10 @@ class JobStore:
                         created_at=now,
                         queued_at=now,
                         updated_at=now,
+                        # optimistic outbox mark: the caller publishes next and calls
+                        # mark_unpublished if that fails; a caller that dies in between leaves a
+                        # row the sweeper republishes once its message is found missing
+                        published_at=now,
                         outputs={},
                         outputs_partial=False,
                     )
@@ -432,6 +437,7 @@ class JobStore:
                     .values(
                         status="queued",
                         queued_at=now,
+                        published_at=now,  # the caller publishes next
                         updated_at=now,
                         lease_owner=None,
                         lease_expires_at=None,
@@ -524,11 +530,17 @@ class JobStore:
         return self._retry(op, what=f"read delivery state of job {job_id}")
 
     # ------------------------------------------------------------------ reaper
-    def requeue_expired(self, *, now: datetime | None = None, limit: int = 100) -> builtins.list[str]:
+    def requeue_expired(
+        self, *, now: datetime | None = None, limit: int = 100, min_db_uptime_s: float = 0.0
+    ) -> builtins.list[str]:
         """Requeue running jobs whose lease expired; returns the requeued ids (the caller
         publishes a message for each). Jobs out of attempts are failed with the reason; jobs with
         a pending cancel are cancelled. Each row is changed by a conditional UPDATE on the token
-        it was seen with, so reapers on many workers and late heartbeats cannot race it."""
+        it was seen with, so reapers on many workers and late heartbeats cannot race it.
+
+        ``min_db_uptime_s`` (PostgreSQL): reap nothing while the server has been up for less than
+        that — after a restart every lease looks expired though its holder is alive and about to
+        heartbeat (see :func:`worker.jobs.reaper.reaper_loop`)."""
 
         # kept across retries: a retry after a dropped connection must still return the ids the
         # first try requeued (their rows no longer match, and each needs its message published)
@@ -537,6 +549,11 @@ class JobStore:
         def op() -> builtins.list[str]:
             t = now or _utcnow()
             with self.engine.connect() as conn:
+                if min_db_uptime_s > 0 and self.engine.dialect.name == "postgresql":
+                    started = conn.scalar(select(func.pg_postmaster_start_time()))
+                    if started is not None and aware(started) > t - timedelta(seconds=min_db_uptime_s):
+                        log.info("reaper: PostgreSQL restarted at %s; leases are not reaped yet", started)
+                        return requeued
                 expired = conn.execute(
                     select(
                         JobRow.id,
@@ -582,6 +599,7 @@ class JobStore:
                     values = {
                         "status": "queued",
                         "queued_at": t,
+                        "published_at": t,  # reap_once publishes next
                         "lease_owner": None,
                         "error_code": "lease_expired",
                         "error_message": f"{why}; requeued",
@@ -599,3 +617,65 @@ class JobStore:
             return requeued
 
         return self._retry(op, what="requeue expired leases")
+
+    # ------------------------------------------------------------------ outbox (the sweeper)
+    def mark_unpublished(self, job_id: str) -> None:
+        """The message of a queued job could not be sent (broker down): leave it to the sweeper,
+        which publishes unpublished rows on its next pass (the API calls this after a failed send)."""
+
+        def op() -> None:
+            with self.engine.begin() as conn:
+                conn.execute(
+                    update(JobRow)
+                    .where(JobRow.id == job_id, JobRow.status == "queued")
+                    .values(published_at=None)
+                )
+
+        self._retry(op, what=f"mark job {job_id} unpublished")
+
+    def take_unpublished(
+        self,
+        *,
+        republish_after_s: float,
+        live: builtins.set[str],
+        now: datetime | None = None,
+        limit: int = 500,
+    ) -> builtins.list[tuple[str, int]]:
+        """Queued jobs whose message must be (re)sent: never published (``published_at`` NULL),
+        or published more than ``republish_after_s`` ago and not among the ``live`` message ids
+        the broker still holds. Each returned row was stamped ``published_at = now`` by a
+        conditional UPDATE on the value it was seen with, so of many sweepers exactly one
+        republishes a given job per interval. Returns ``(job_id, priority)``; the caller
+        publishes each (and calls :meth:`mark_unpublished` when that fails)."""
+        taken: builtins.list[tuple[str, int]] = []
+
+        def op() -> builtins.list[tuple[str, int]]:
+            t = now or _utcnow()
+            stale = t - timedelta(seconds=republish_after_s)
+            with self.engine.connect() as conn:
+                rows = conn.execute(
+                    select(JobRow.id, JobRow.priority, JobRow.published_at)
+                    .where(
+                        JobRow.status == "queued",
+                        JobRow.cancel_requested.is_(False),
+                        or_(JobRow.published_at.is_(None), JobRow.published_at < stale),
+                    )
+                    .order_by(JobRow.priority.desc(), JobRow.queued_at)
+                    .limit(limit)
+                ).all()
+            done = {job_id for job_id, _ in taken}
+            for job_id, priority, seen in rows:
+                if job_id in live or job_id in done:
+                    continue
+                seen_cond = JobRow.published_at.is_(None) if seen is None else JobRow.published_at == seen
+                with self.engine.begin() as conn:
+                    res = conn.execute(
+                        update(JobRow)
+                        .where(JobRow.id == job_id, JobRow.status == "queued", seen_cond)
+                        .values(published_at=t)
+                    )
+                if res.rowcount == 1:
+                    taken.append((job_id, int(priority)))
+            return taken
+
+        return self._retry(op, what="take unpublished queued jobs")

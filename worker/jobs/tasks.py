@@ -48,7 +48,7 @@ from worker.delivery.segment import SegmentRecord
 from worker.delivery.storage import open_object_store
 from worker.errors import LeaseLostError, ObjectNotFoundError
 from worker.jobs import metrics
-from worker.jobs.db import DbRetry, make_engine
+from worker.jobs.db import DbRetry, is_connection_error, make_engine
 from worker.jobs.lease import LeaseKeeper
 from worker.jobs.queue import enqueue_render
 from worker.jobs.records import JobRecord, Lease, Progress
@@ -85,7 +85,8 @@ class JobWorker:
         self.store = JobStore(
             self.engine,
             max_attempts=settings.max_attempts,
-            retry=DbRetry(settings.db_retry_attempts, settings.db_retry_max_wait_s),
+            # an outage up to db_outage_max_s is ridden out: the render goes on, commits wait
+            retry=DbRetry(settings.db_retry_attempts, settings.db_retry_max_wait_s, max_s=settings.db_outage_max_s),
         )
         self.owner = settings.worker_name or f"{socket.gethostname()}:{os.getpid()}"
         self.delivery_factory = delivery
@@ -138,16 +139,22 @@ class JobWorker:
                 log.warning("lease lost: %s", exc)
                 outcome = "lease_lost"
             except Exception as exc:
-                # a bug or an outage in this worker, not in the render: give the attempt back now
-                # instead of leaving the lease to expire
-                log.exception("attempt %d broke in the worker", lease.attempt)
-                outcome = self._retry_or_fail(
-                    lease,
-                    None,
-                    code="worker_error",
-                    retryable=True,
-                    message=f"worker {self.owner} failed: {type(exc).__name__}: {exc}",
-                )
+                if is_connection_error(exc):
+                    # nothing can be written: the row stays running and the reaper requeues it
+                    log.error("database unreachable for db_outage_max_s; attempt %d abandoned: %s",
+                              lease.attempt, exc)
+                    outcome = "db_unreachable"
+                else:
+                    # a bug or an outage in this worker, not in the render: give the attempt back
+                    # now instead of leaving the lease to expire
+                    log.exception("attempt %d broke in the worker", lease.attempt)
+                    outcome = self._retry_or_fail(
+                        lease,
+                        None,
+                        code="worker_error",
+                        retryable=True,
+                        message=f"worker {self.owner} failed: {type(exc).__name__}: {exc}",
+                    )
             finally:
                 metrics.BUSY.set(0)
             metrics.ATTEMPTS.labels(outcome).inc()
@@ -169,6 +176,17 @@ class JobWorker:
             except LeaseLostError:
                 lost.set()
                 raise
+            except Exception as exc:
+                if not is_connection_error(exc):
+                    raise
+                # the database stayed away for db_outage_max_s: the lease can no longer be proven;
+                # stop like a lost lease, the reaper hands the job on once the database is back
+                lost.set()
+                raise LeaseLostError(
+                    f"job {lease.job_id}: database unreachable for db_outage_max_s="
+                    f"{self.settings.db_outage_max_s:g} s; segment {seg.index} was not committed and "
+                    "the attempt stops (the job resumes after its last committed segment)"
+                ) from exc
             metrics.SEGMENTS.inc()
 
         try:
