@@ -95,9 +95,16 @@ class Settings(BaseSettings):
     )
 
     # --- leases -------------------------------------------------------------------------------
-    lease_s: float = Field(default=60.0, gt=0, description="A claim is valid this long unless heartbeated")
+    lease_s: float = Field(
+        default=20.0,
+        gt=0,
+        description="A claim is valid this long unless heartbeated. With reaper_interval_s it states how "
+        "long a dead worker's job waits: death -> another worker resumes it within lease_s + "
+        "reaper_interval_s (25 s by default; plus the claim and input fetch). A database outage does "
+        "not count against it (see db_outage_max_s)",
+    )
     heartbeat_s: float = Field(
-        default=10.0, gt=0, description="Interval between lease heartbeats (< lease_s / 2)"
+        default=5.0, gt=0, description="Interval between lease heartbeats (< lease_s / 2)"
     )
     max_attempts: int = Field(
         default=3, ge=1, le=100, description="Claims per job before it is failed for good"
@@ -111,7 +118,7 @@ class Settings(BaseSettings):
         "N-1 segments, which reproduce the committed bytes and are not uploaded again",
     )
     reaper_interval_s: float = Field(
-        default=15.0,
+        default=5.0,
         gt=0,
         description="How often each worker's reaper thread requeues expired leases (0 = off)",
     )

@@ -8,7 +8,7 @@ Who calls what:
 - the API / client / CLI: :meth:`JobStore.create`, :meth:`get`, :meth:`list`, :meth:`request_cancel`;
 - the Celery task (:mod:`worker.jobs.tasks`): :meth:`claim`, :meth:`heartbeat`, :meth:`commit_segment`
   (from the delivery sink's ``on_commit``), :meth:`finish`, :meth:`fail`, :meth:`requeue`,
-  :meth:`mark_cancelled`, :meth:`cancel_requested`;
+  :meth:`release` (drain on SIGTERM), :meth:`mark_cancelled`, :meth:`cancel_requested`;
 - the reaper (a thread in every worker, or ``longtake reap``): :meth:`requeue_expired`, and the
   outbox sweep :meth:`take_unpublished` (the API calls :meth:`mark_unpublished` when a send fails).
 
@@ -33,6 +33,8 @@ from __future__ import annotations
 import builtins
 import logging
 import re
+import threading
+import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -69,6 +71,37 @@ class JobStore:
         self.engine = engine
         self.default_max_attempts = max_attempts
         self._retry = retry or DbRetry()
+        # lease token -> monotonic time until which this process knows the lease valid (claim,
+        # heartbeat and commit each extend it): check_lease answers from it without a query
+        self._valid_until: dict[str, float] = {}
+        self._clock_lock = threading.Lock()
+
+    def _renewed(self, lease_token: str, lease_s: float, started: float) -> None:
+        with self._clock_lock:
+            self._valid_until[lease_token] = max(self._valid_until.get(lease_token, 0.0), started + lease_s)
+
+    def check_lease(self, lease: Lease, *, margin_s: float | None = None) -> None:
+        """Raise :class:`LeaseLostError` unless ``lease`` still owns the job: the fence of object
+        writes (the delivery calls it before every upload). Answered from this process's own
+        record while more than ``margin_s`` (default half the lease) of the last renewal is left —
+        no other worker can claim a job before its lease expires — else by a fenced read. A frozen
+        worker (SIGSTOP, a long GC pause) wakes past that margin, so its next write is checked
+        against the row."""
+        margin = lease.lease_s / 2 if margin_s is None else margin_s
+        with self._clock_lock:
+            valid_until = self._valid_until.get(lease.token, 0.0)
+        if time.monotonic() + margin < valid_until:
+            return
+
+        def op() -> bool:
+            with self.engine.connect() as conn:
+                return conn.scalar(select(JobRow.id).where(_fenced(lease))) is not None
+
+        if not self._retry(op, what=f"check lease of job {lease.job_id}"):
+            raise LeaseLostError(
+                f"job {lease.job_id}: lease {lease.token} of {lease.owner!r} is no longer valid "
+                "(another worker took the job over); object write refused"
+            )
 
     def _greatest(self, column: Any, value: int) -> Any:
         # SQLite's two-argument max() is PostgreSQL's greatest()
@@ -190,6 +223,7 @@ class JobStore:
         token = str(uuid.uuid4())
 
         def op() -> Lease | None:
+            started = time.monotonic()
             now = _utcnow()
             expires = now + timedelta(seconds=lease_s)
             with Session(self.engine) as s, s.begin():
@@ -225,6 +259,7 @@ class JobStore:
                         return None
                     mine = s.get(JobRow, job_id, populate_existing=True)
                     assert mine is not None
+                self._renewed(token, lease_s, started)
                 return Lease(
                     job_id=job_id,
                     owner=owner,
@@ -241,6 +276,7 @@ class JobStore:
         lease is lost: the caller must stop the render. Repeating is harmless."""
 
         def op() -> bool:
+            started = time.monotonic()
             now = _utcnow()
             values: dict[str, Any] = {
                 "lease_expires_at": now + timedelta(seconds=lease.lease_s),
@@ -255,7 +291,10 @@ class JobStore:
                     values["num_frames"] = progress.num_frames
             with self.engine.begin() as conn:
                 res = conn.execute(update(JobRow).where(_fenced(lease)).values(**values))
-                return bool(res.rowcount == 1)
+            if res.rowcount != 1:
+                return False
+            self._renewed(lease.token, lease.lease_s, started)
+            return True
 
         return self._retry(op, what=f"heartbeat job {lease.job_id}")
 
@@ -268,7 +307,7 @@ class JobStore:
         re-uploaded that index, and its object is the one now in storage).
         """
 
-        def op() -> None:
+        def write(started: float) -> None:
             now = _utcnow()
             with Session(self.engine) as s, s.begin():
                 # this UPDATE takes the job row lock first, serialising with claim/reaper
@@ -323,6 +362,11 @@ class JobStore:
                     )
                     .execution_options(synchronize_session=False)
                 )
+
+        def op() -> None:
+            started = time.monotonic()
+            write(started)  # committed (or raised): the lease was extended from `started`
+            self._renewed(lease.token, lease.lease_s, started)
 
         self._retry(op, what=f"commit segment {seg.index} of job {lease.job_id}")
 
@@ -471,6 +515,40 @@ class JobStore:
             "fail",
         )
         return False
+
+    def release(self, lease: Lease, *, reason: str) -> None:
+        """Hand the job back without charging the attempt (the worker is shutting down: SIGTERM
+        drain): queued again with ``attempts - 1``, lease cleared, outbox mark set (the caller
+        publishes next). Fenced (LeaseLostError)."""
+
+        def op() -> None:
+            now = _utcnow()
+            with self.engine.begin() as conn:
+                res = conn.execute(
+                    update(JobRow)
+                    .where(_fenced(lease))
+                    .values(
+                        status="queued",
+                        attempts=JobRow.attempts - 1,
+                        queued_at=now,
+                        published_at=now,
+                        updated_at=now,
+                        lease_owner=None,
+                        lease_token=None,
+                        lease_expires_at=None,
+                    )
+                )
+                if res.rowcount == 1:
+                    return
+                # a repeat whose first try landed: the row is queued again, no longer under our token
+                row = conn.execute(select(JobRow.status, JobRow.lease_token).where(JobRow.id == lease.job_id)).first()
+                if row is not None and row[0] == "queued" and row[1] is None:
+                    return
+                raise LeaseLostError(f"job {lease.job_id}: lease {lease.token} lost; not released ({reason})")
+
+        self._retry(op, what=f"release job {lease.job_id}")
+        log.info("job %s handed back (%s); attempt %d not counted", lease.job_id, reason, lease.attempt,
+                 extra={"job_id": lease.job_id})
 
     # ------------------------------------------------------------------ cancel
     def request_cancel(self, job_id: str, *, tenant: str) -> bool:

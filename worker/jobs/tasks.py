@@ -19,7 +19,8 @@ One attempt:
    cancel flag every ``cancel_poll_s``) and run the render on :class:`worker.jobs.runner.NodeExecutor`.
 5. End the row by outcome: finish | mark_cancelled (+ abandon the multipart upload) | requeue and
    publish a new message (retryable error, attempts left) | fail | nothing (lease lost: the row
-   belongs to someone else now).
+   belongs to someone else now) | release and publish (drained: the worker got SIGTERM; the
+   attempt is not counted).
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ class JobWorker:
 
     _instances: dict[int, JobWorker] = {}
     _lock = threading.Lock()
+    # set once by request_drain (SIGTERM): the running attempt stops between chunks and is handed back
+    drain_requested = threading.Event()
 
     def __init__(
         self,
@@ -120,10 +123,19 @@ class JobWorker:
                 atexit.register(inst.node.close, settings.kill_grace_s)  # ranks also die with the process (PDEATHSIG)
             return inst
 
+    @classmethod
+    def request_drain(cls) -> None:
+        """The worker is shutting down (Celery's ``worker_shutting_down``, i.e. SIGTERM, connected by
+        :mod:`worker.jobs.celery_app`): the running render stops between chunks, the job is
+        released without charging its attempt and republished, so another worker resumes it within
+        one chunk plus the drain instead of after the whole job (or the lease, once killed)."""
+        if not cls.drain_requested.is_set():
+            log.warning("shutdown requested: the running job (if any) is handed back after this chunk")
+        cls.drain_requested.set()
+
     # ------------------------------------------------------------------------------ one attempt
     def run(self, job_id: str) -> str:
         """Claim and render ``job_id``; returns how the attempt ended (for logs and tests)."""
-        metrics.start_metrics_server(self.settings.metrics_port, self.store.count_by_status)
         with job_context(job_id):
             lease = self.store.claim(job_id, owner=self.owner, lease_s=self.settings.lease_s)
             if lease is None:
@@ -189,6 +201,13 @@ class JobWorker:
                 ) from exc
             metrics.SEGMENTS.inc()
 
+        def fence() -> None:
+            try:
+                self.store.check_lease(lease)
+            except LeaseLostError:
+                lost.set()
+                raise
+
         try:
             committed = self.store.segments(lease.job_id)
             delivery = self.delivery_factory(
@@ -198,6 +217,8 @@ class JobWorker:
                 spec=rec.spec,
                 committed=committed,
                 on_commit=on_commit,
+                attempt=lease.attempt,
+                fence=fence,
             )
             image = self._fetch(rec, rec.spec.image, "image", workdir)
             audio = self._fetch(rec, rec.spec.audio, "audio", workdir)
@@ -240,6 +261,7 @@ class JobWorker:
             cancel_poll_s=s.cancel_poll_s,
             # the render thread's own watchdog (progress_timeout_s, then the kill) acts first
             stall_s=s.progress_timeout_s + s.cancel_grace_s + s.lease_s,
+            drain=self.drain_requested,
         )
         claimed_at = time.monotonic()
         first_fragment_at: list[float] = []
@@ -312,6 +334,11 @@ class JobWorker:
             return "succeeded"
         if outcome.status == "stopped":
             return "lease_lost"
+        if outcome.status == "drained":
+            # the committed segments and the multipart upload stay for the next attempt
+            self.store.release(lease, reason=f"worker {self.owner} shutting down")
+            self._publish(lease.job_id)
+            return "drained"
         if outcome.status == "cancelled":
             delivery.abandon()
             self.store.mark_cancelled(lease, partial_outputs=delivery.partial_outputs())
