@@ -33,6 +33,7 @@ import torch
 
 from pipeline import ports as P
 from pipeline.errors import CancelledError, PipelineBuildError
+from pipeline.host import release_free_heap
 from pipeline.lane import Lane
 from pipeline.publish import Publisher
 from pipeline.request import RenderProgress
@@ -199,6 +200,8 @@ class Pipeline:
             work.state, next_emission=emission.index + 1, decoder_cache=state.decoder_cache).snapshot()
         publisher.publish(frames, first_frame=emission.frames.start, index=emission.index, is_last=is_last,
                           resume_state=snapshot)
+        del frames, snapshot
+        release_free_heap()  # the emission's activations are free now; keep RSS at live memory
 
     def _emit_batch(self, values: Values, state: RollingState, plan: ChunkPlan, publisher: Publisher,
                     held: list[torch.Tensor]) -> None:
