@@ -6,7 +6,7 @@ fake_pipeline.py``) import these without loading the models.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
@@ -32,6 +32,8 @@ class RenderRequest:
     preset: str = "tiny"  # one of the family's presets
     checkpoint: Path | None = None
     use_i_chunks: bool = True  # False renders the N-only baseline (for seam measurements)
+    # family options (sampling steps, guidance, ...), checked by the family's ModelFamily.options()
+    options: Mapping[str, str | int | float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
