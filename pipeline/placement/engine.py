@@ -450,7 +450,7 @@ class NodeEngine:
         out: list[tuple[int, tuple[object, ...]]] = []
         for item in ready:
             if item in by_conn:
-                conn = item  # type: ignore[assignment]
+                conn = item
                 rank = by_conn[conn]
                 try:
                     while conn.poll():
@@ -466,7 +466,7 @@ class NodeEngine:
         for item in ready:
             if item in by_sentinel:
                 when = "while the engine was starting" if job_id is None else f"during job {what}"
-                self._fail_dead(by_sentinel[item], when)  # type: ignore[index]
+                self._fail_dead(by_sentinel[item], when)
         if job_id is None and not out and time.monotonic() >= deadline:
             self._teardown()
             raise ModuleLoadError(
