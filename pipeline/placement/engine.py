@@ -22,6 +22,10 @@ Failures:
 * a rank sends something that is not a protocol message (a torn pickle, a foreign object):
   :class:`RankProtocolError` (retryable) with the reader's traceback, at once; the ranks are killed
   (they may still be inside the job) and restart at the next ``run``.
+
+Why one file of ~480 lines: the supervision loop (``run``), the receive/validate step and each
+failure path share the group's state (pipes, sentinels, the cancel event) and one deadline; split,
+every failure path would need that state passed around or re-derived.
 """
 
 from __future__ import annotations
