@@ -31,6 +31,7 @@ services:
 
 test: $(STAMP) sysdeps services
 	$(BIN)/ruff check pipeline models worker bench tests
+	$(BIN)/lint-imports
 	$(BIN)/mypy
 	$(BIN)/pytest -q tests
 
@@ -39,6 +40,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check pipeline models worker bench tests
+	$(BIN)/lint-imports
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

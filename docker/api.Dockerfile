@@ -25,7 +25,7 @@ RUN apt-get update \
  && useradd --uid 10001 --gid 10001 --home-dir /home/longtake --create-home --shell /usr/sbin/nologin longtake
 COPY --from=build /opt/venv /opt/venv
 WORKDIR /app
-# `longtake migrate` uses the migrations installed with the package (worker.db.alembic_config).
+# `longtake migrate` uses the migrations installed with the package (worker.jobs.db.alembic_config).
 COPY docker/healthcheck.py /usr/local/lib/longtake/healthcheck.py
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \

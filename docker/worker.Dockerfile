@@ -40,7 +40,7 @@ RUN apt-get update \
 COPY --from=build /opt/python /opt/python
 COPY --from=build /opt/venv /opt/venv
 WORKDIR /app
-# `longtake migrate` uses the migrations installed with the package (worker.db.alembic_config).
+# `longtake migrate` uses the migrations installed with the package (worker.jobs.db.alembic_config).
 # The demo inputs, for a smoke render in the pod
 # (`longtake render --image models/checkpoints/demo_reference.png --audio assets/demo/speech.wav ...`).
 COPY assets/demo assets/demo

@@ -1,4 +1,4 @@
-"""Alembic environment: binds migrations to the ORM metadata in worker/tables.py.
+"""Alembic environment: binds migrations to the ORM metadata in worker/jobs/tables.py.
 
 The URL comes from, in order: a connection the caller put in ``config.attributes["connection"]``
 (tests), ``sqlalchemy.url`` set on the config (``longtake migrate``), or ``Settings().database_url``.
@@ -10,8 +10,8 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy.engine import Connection
 
-from worker.db import make_engine
-from worker.tables import Base
+from worker.jobs.db import make_engine
+from worker.jobs.tables import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -41,6 +41,20 @@ def _image_error(path: Path, problem: str, fix: str = _SUPPORTED_HINT) -> Invali
     return InvalidInputError(f"reference image {str(path)!r} {problem}; {fix}", field="image")
 
 
+def image_size(path: Path) -> tuple[int, int]:
+    """``(height, width)`` of the image at ``path`` as displayed (EXIF orientation applied), from its
+    header only; errors as :func:`load_reference_image` (which ``render()`` calls next)."""
+    path = Path(path)
+    try:
+        with Image.open(path) as im:
+            w, h = im.size
+            orientation = im.getexif().get(0x0112, 1)
+    except (OSError, SyntaxError, ValueError, EOFError, UnidentifiedImageError, Image.DecompressionBombError):
+        load_reference_image(path, MIN_IMAGE_SIDE, MIN_IMAGE_SIDE)  # raises the error that names the fix
+        raise
+    return (w, h) if orientation in (5, 6, 7, 8) else (h, w)
+
+
 def load_reference_image(path: Path, height: int, width: int) -> np.ndarray:
     """Open ``path`` and return a ``(height, width, 3)`` uint8 RGB array.
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from pipeline.errors import InvalidInputError
+from pipeline.schedule import FrameGrid
 
 if TYPE_CHECKING:
     from pipeline.module import Module
@@ -97,6 +98,25 @@ class ModelFamily(ABC):
     def default_checkpoint(self, preset: FamilyPreset) -> Path | None:
         """The weights used when the request names none (None: seeded random init)."""
         return None
+
+    def frame_grid(self, preset: FamilyPreset) -> FrameGrid:
+        """How the preset's latent timeline maps to video frames (``pipeline.schedule.FrameGrid``);
+        default one to one. ``render()`` plans the chunks with it."""
+        return FrameGrid()
+
+    def output_size(self, preset: FamilyPreset, source_hw: tuple[int, int]) -> tuple[int, int]:
+        """``(height, width)`` of the video for a reference image of ``source_hw`` pixels; default the
+        preset's fixed size. ``render()`` crops and resizes the reference to it and encodes at it."""
+        return preset.height, preset.width
+
+    def options(self, preset: FamilyPreset, options: Mapping[str, str | int | float]) -> dict[str, str | int | float]:
+        """The request's family options (``RenderRequest.options``) checked and completed with the
+        preset's defaults; the stages read the result from ``pipeline.ports.OPTIONS``. Default: the
+        family takes none. Raise ``InvalidInputError(field="options")`` naming the key, value and bounds."""
+        if options:
+            raise InvalidInputError(
+                f"options={dict(options)!r}: family {self.name!r} takes no options; remove them", field="options")
+        return {}
 
     @abstractmethod
     def modules(self, preset: FamilyPreset, checkpoint: Path | None, *, device: str = "cpu",

@@ -43,7 +43,9 @@ class Module:
     ``build`` returns the ``nn.Module`` in its random-init state (seeded by the caller);
     ``checkpoint``/``prefix`` name the safetensors file and the key prefix of this module's tensors
     in it (``"a2v."`` …). With no checkpoint the seeded random init is kept and
-    :attr:`is_random_init` says so, so the CLI can warn the user.
+    :attr:`is_random_init` says so, so the CLI can warn the user. ``prefix=None``: ``build`` itself
+    loads the weights from ``checkpoint`` (a release directory in a layout of its own). ``dtype``:
+    the parameters' dtype after loading; ``None`` keeps the builder's (mixed-precision models).
     """
 
     def __init__(
@@ -52,9 +54,9 @@ class Module:
         build: Callable[[], nn.Module],
         *,
         checkpoint: Path | None = None,
-        prefix: str = "",
+        prefix: str | None = "",
         device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = torch.float32,
         on_use: Callable[[], None] | None = None,
     ) -> None:
         self.name = name
@@ -111,6 +113,10 @@ class Module:
     def get(self) -> nn.Module:
         """The loaded model (built and loaded on first call; thread-safe), after ``on_use()``."""
         model = self._loaded()
+        if self.residency is Residency.PARKED:
+            with self._lock:
+                model.to(self.device)
+                self.residency = Residency.RESIDENT
         if self.on_use is not None:
             self.on_use()
         return model
@@ -121,6 +127,16 @@ class Module:
                 if self._model is None:
                     self._model = self._load()
         return self._model
+
+    def park(self) -> None:
+        """Move a model that has done its work for this job (a once-per-job encoder) to host memory;
+        the next :meth:`get` brings it back to :attr:`device`. No-op for unloaded or sharded models
+        (a rank's parker owns those) and when the device is the CPU."""
+        if self._model is None or self.residency is not Residency.RESIDENT or self.device.type == "cpu":
+            return
+        with self._lock:
+            self._model.to("cpu")
+            self.residency = Residency.PARKED
 
     def blocks(self) -> list[nn.Module]:
         """The model's repeated blocks (``model.blocks``) for per-block placement; [] if none."""
@@ -136,9 +152,12 @@ class Module:
             model = self._build()
         except Exception as exc:  # a preset/config bug: name the module
             raise ModuleLoadError(f"module {self.name!r}: building the model failed: {exc}") from exc
-        if self.checkpoint is not None:
+        if self.checkpoint is not None and self.prefix is not None:
             load_module_weights(model, self.checkpoint, self.prefix, module_name=self.name)
-        model.to(device=self.device, dtype=self.dtype)
+        if self.dtype is None:
+            model.to(device=self.device)
+        else:
+            model.to(device=self.device, dtype=self.dtype)
         model.eval()
         model.requires_grad_(False)
         self.residency = Residency.RESIDENT

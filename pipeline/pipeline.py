@@ -2,7 +2,9 @@
 
 ``step()`` reads as schedule → execute → update: the plan (``pipeline.schedule``) says which step
 comes next; the step stages (context, A2V) run on it; the rolling state is updated; if the step made
-a timeline range final, the emission stages (SR, decode) run on it and the frames are published.
+a timeline range final, the emission stages (SR, decode) run on it and the frames are published
+(at the video frames of the range, ``ChunkPlan.video_frames``: a family whose latents span several
+video frames decodes more frames per timeline frame).
 
 Streaming and batch modes run the same stages on the same steps. Batch mode is the conventional
 design we measure against: it keeps every emission's latents until the plan is done, then runs SR and
@@ -132,8 +134,9 @@ class Pipeline:
 
         def emit(vals: Values, work: _EmissionWork) -> None:
             self._emit(vals, work, plan, publisher)
-            events.append(RenderProgress(work.emission.index, plan.num_emissions, work.emission.frames.stop,
-                                     plan.num_frames, time.perf_counter() - t_start))
+            events.append(RenderProgress(work.emission.index, plan.num_emissions,
+                                         plan.video_frames(work.emission.frames).stop,
+                                         plan.total_video_frames, time.perf_counter() - t_start))
 
         lane: Lane[_EmissionWork] | None = None
         if overlap_emissions and mode == "streaming":
@@ -170,8 +173,8 @@ class Pipeline:
                 lane.finish(ok=True)  # every emission published (raises the lane's error, if any)
             if mode == "batch":
                 self._emit_batch(values, state, plan, publisher, held)
-                events.append(RenderProgress(plan.num_emissions - 1, plan.num_emissions, plan.num_frames,
-                                         plan.num_frames, time.perf_counter() - t_start))
+                events.append(RenderProgress(plan.num_emissions - 1, plan.num_emissions, plan.total_video_frames,
+                                         plan.total_video_frames, time.perf_counter() - t_start))
             report()  # before the sinks finish: a callback that raises still fails the render
             ok = True
         finally:
@@ -198,7 +201,8 @@ class Pipeline:
         is_last = emission.index == plan.num_emissions - 1
         snapshot = None if is_last else dataclasses.replace(
             work.state, next_emission=emission.index + 1, decoder_cache=state.decoder_cache).snapshot()
-        publisher.publish(frames, first_frame=emission.frames.start, index=emission.index, is_last=is_last,
+        video = plan.video_frames(emission.frames)  # the last emission is cut at the video's end
+        publisher.publish(frames[: len(video)], first_frame=video.start, index=emission.index, is_last=is_last,
                           resume_state=snapshot)
         del frames, snapshot
         release_free_heap()  # the emission's activations are free now; keep RSS at live memory
@@ -212,9 +216,10 @@ class Pipeline:
                               range(plan.num_frames, plan.num_frames))
         frames = self._run_emission_stages(values, everything, torch.cat(held, dim=2))
         held.clear()
+        v0 = plan.video_frames(everything.frames).start
         for j in range(state.next_emission, plan.num_emissions):
-            r = plan.emission_frames(j)
-            publisher.publish(frames[r.start - first : r.stop - first], first_frame=r.start, index=j,
+            r = plan.video_frames(plan.emission_frames(j))
+            publisher.publish(frames[r.start - v0 : r.stop - v0], first_frame=r.start, index=j,
                               is_last=j == plan.num_emissions - 1, resume_state=None)
         state.next_emission = plan.num_emissions
 

@@ -41,6 +41,7 @@ REFERENCE_RGB = Port("reference_rgb", np.ndarray, J, "reference image, HxWx3 uin
 AUDIO = Port("audio", AudioReader, J, "the driving audio")  # type: ignore[type-abstract]
 TEXT = Port("text", str, J, "text / scene prompt", optional=True)
 SEED = Port("seed", int, J, "job seed; per-chunk seeds derive from it and the step")
+OPTIONS = Port("options", dict, J, "the request's family options, checked and completed by ModelFamily.options")
 PLAN = Port("plan", ChunkPlan, J, "the N/I chunk plan")
 ROLLING = Port("rolling", RollingState, J, "state that crosses chunks")
 STEP = Port("step", ChunkStep, C, "the plan step being run")
@@ -51,4 +52,4 @@ EMISSION_LATENTS = Port("emission_latents", torch.Tensor, C, "low-res latents_BC
 STEP_LATENTS = Port("step_latents", torch.Tensor, C, "low-res latents_BCThw of step.generate")
 FRAMES = Port("frames", np.ndarray, C, "decoded RGB frames THWC uint8 of the emission")
 
-PIPELINE_INPUTS = (REFERENCE_RGB, AUDIO, TEXT, SEED, PLAN, ROLLING, STEP, EMISSION, EMISSION_LATENTS)
+PIPELINE_INPUTS = (REFERENCE_RGB, AUDIO, TEXT, SEED, OPTIONS, PLAN, ROLLING, STEP, EMISSION, EMISSION_LATENTS)

@@ -21,17 +21,16 @@ from pipeline.errors import InvalidInputError
 from pipeline.families import FAMILIES
 from pipeline.family_runtime import WARM_FAMILIES, FamilyRuntime
 from pipeline.host import peak_rss_bytes
-from pipeline.inputs import AudioSource, load_reference_image
+from pipeline.inputs import AudioSource, image_size, load_reference_image
 from pipeline.media_types import FrameSink
 from pipeline.pipeline import Mode
 from pipeline.publish import Publisher
-from pipeline.request import RenderProgress, RenderRequest, RenderResult
+from pipeline.request import MAX_TEXT_CHARS, RenderProgress, RenderRequest, RenderResult
 from pipeline.schedule import ChunkPlan, PlanError, frames_for_audio
 from pipeline.state import RollingState
 
 log = logging.getLogger(__name__)
 
-MAX_TEXT_CHARS = 2000
 
 
 def validate_request(request: RenderRequest) -> None:
@@ -77,12 +76,17 @@ def render(
             f"preset={request.preset!r} but the family passed to render() is {family.preset.name!r}: "
             "request the preset the family (the engine's loaders) was built for", field="preset")
     preset = family.preset
-    reference = load_reference_image(Path(request.image), preset.height, preset.width)
+    options = family.family.options(preset, request.options)
+    height, width = family.family.output_size(preset, image_size(Path(request.image)))
+    reference = load_reference_image(Path(request.image), height, width)
+    grid = family.family.frame_grid(preset)
     with AudioSource.open(Path(request.audio), model_rate=preset.sample_rate) as audio:
         try:
-            num_frames = frames_for_audio(audio.num_samples(preset.sample_rate), preset.sample_rate, preset.fps)
-            plan = ChunkPlan(num_frames, preset.chunk_frames, preset.context_frames, preset.interp_frames,
-                             use_i_chunks=request.use_i_chunks, reference_frame=preset.reference_frame)
+            num_video = frames_for_audio(audio.num_samples(preset.sample_rate), preset.sample_rate, preset.fps)
+            plan = ChunkPlan(grid.timeline_frames(num_video), preset.chunk_frames, preset.context_frames,
+                             preset.interp_frames, use_i_chunks=request.use_i_chunks,
+                             reference_frame=preset.reference_frame, grid=grid,
+                             num_video_frames=0 if grid.is_identity else num_video)
         except PlanError as exc:
             raise InvalidInputError(f"audio {request.audio}: {exc}", field="audio") from exc
         plan_key = plan.key
@@ -93,22 +97,23 @@ def render(
         else:
             state = RollingState(plan_key=plan_key)
         # x264 "veryfast": ~40% less CPU than "fast" for the same CRF; inference owns the cores
-        encoder = FragmentEncoder(preset.width, preset.height, preset.fps, audio, preset="veryfast",
-                                  start_frame=plan.emission_frames(state.next_emission).start
-                                  if state.next_emission < plan.num_emissions else plan.num_frames)
+        encoder = FragmentEncoder(width, height, preset.fps, audio, preset="veryfast",
+                                  start_frame=plan.video_frames(plan.emission_frames(state.next_emission)).start
+                                  if state.next_emission < plan.num_emissions else plan.total_video_frames)
         publisher = Publisher(encoder, sinks, asynchronous=mode == "streaming", frame_tap=frame_tap)
 
         family.timings.reset()
         family.pipeline.run(
-            job_values={P.REFERENCE_RGB: reference, P.AUDIO: audio, P.TEXT: request.text, P.SEED: request.seed},
+            job_values={P.REFERENCE_RGB: reference, P.AUDIO: audio, P.TEXT: request.text, P.SEED: request.seed,
+                        P.OPTIONS: options},
             plan=plan, state=state, publisher=publisher, mode=mode, should_cancel=should_cancel,
             on_chunk=on_progress, overlap_emissions=family.overlap_emissions,
         )
     wall = time.perf_counter() - t0
     first = publisher.first_fragment_at
     return RenderResult(
-        num_frames=plan.num_frames,
-        duration_s=plan.num_frames / preset.fps,
+        num_frames=plan.total_video_frames,
+        duration_s=plan.total_video_frames / preset.fps,
         ttff_s=(first - t0) if first is not None else wall,
         wall_s=wall,
         peak_rss_bytes=peak_rss_bytes(),

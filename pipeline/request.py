@@ -6,7 +6,7 @@ fake_pipeline.py``) import these without loading the models.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     from pipeline.family_runtime import FamilyRuntime
 
 RenderMode = Literal["streaming", "batch"]
+
+MAX_TEXT_CHARS = 2000
+"""Longest text/scene prompt ``render()`` accepts (the job spec refuses longer ones at submit)."""
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,8 @@ class RenderRequest:
     preset: str = "tiny"  # one of the family's presets
     checkpoint: Path | None = None
     use_i_chunks: bool = True  # False renders the N-only baseline (for seam measurements)
+    # family options (sampling steps, guidance, ...), checked by the family's ModelFamily.options()
+    options: Mapping[str, str | int | float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

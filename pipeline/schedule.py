@@ -18,8 +18,19 @@ interpolation span ``e`` (``0 < e < L``).
   ``[jL, (j+1)L)``, made final by ``N_0`` (j = 0), by ``I_{j-1}``, or by ``N_j`` when ``I_{j-1}``
   does not exist.
 
+Timeline vs video frames (:class:`FrameGrid`). The timeline is the A2V model's latent timeline. For a
+per-frame latent space (the tiny family) one timeline frame is one video frame. A causal video VAE
+with temporal compression ``s`` (the Wan VAE: ``s = 4``) maps timeline frame 0 to one video frame
+and every later one to ``s``: ``T`` timeline frames are ``1 + s(T - 1)`` video frames. The plan keeps
+its N/I arithmetic on the timeline and translates ranges with :meth:`ChunkPlan.video_frames`; the
+last emission is cut at ``num_video_frames`` (the audio's length), so the video is never longer than
+the audio by more than a frame. With ``FrameGrid.reference_is_first`` the reference *is* timeline
+frame 0 (image-to-video models: the first video frame is the reference image): ``N_0``'s window is
+``[0, L)`` with frame 0 known (``reference_slot``) and generated through (its output there is the
+reference's latent itself).
+
 The plan is consumed by the pipeline and by the resume logic of the worker, both of which rely on
-``steps`` being a pure function of ``(num_frames, L, C, e)``.
+``steps`` being a pure function of ``(num_frames, L, C, e)`` and the grid.
 """
 
 from __future__ import annotations
@@ -27,9 +38,49 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+PlanKey = tuple[int | bool, ...]
+
 
 class PlanError(ValueError):
     """A chunk-plan parameter is out of range; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class FrameGrid:
+    """How timeline (latent) frames map to video frames; the default is one to one (tiny).
+
+    ``stride``: video frames per timeline frame; ``causal_first``: timeline frame 0 is a single video
+    frame (a causal VAE's first frame); ``reference_is_first``: the reference is timeline frame 0
+    (see the module docstring). A family declares its grid (``ModelFamily.frame_grid``).
+    """
+
+    stride: int = 1
+    causal_first: bool = False
+    reference_is_first: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stride, int) or self.stride < 1:
+            raise PlanError(f"FrameGrid.stride={self.stride!r}: must be an integer >= 1 (video frames per latent)")
+
+    @property
+    def is_identity(self) -> bool:
+        return self == FrameGrid()
+
+    def video_start(self, t: int) -> int:
+        """First video frame of timeline frame ``t`` (``t`` may be the end of a range)."""
+        if not self.causal_first:
+            return t * self.stride
+        return 0 if t <= 0 else 1 + self.stride * (t - 1)
+
+    def video_frames(self, timeline: range) -> range:
+        """The video frames of the timeline range (unclipped)."""
+        return range(self.video_start(timeline.start), self.video_start(timeline.stop))
+
+    def timeline_frames(self, num_video_frames: int) -> int:
+        """Fewest timeline frames whose video frames cover ``num_video_frames``."""
+        if self.causal_first:
+            return 1 + -(-(num_video_frames - 1) // self.stride)
+        return -(-num_video_frames // self.stride)
 
 
 class ChunkKind(StrEnum):
@@ -60,7 +111,9 @@ class ChunkStep:
     inside it that are given clean (context for N, anchors for I); ``generate`` the positions whose
     predictions are kept. ``emission`` is the range this step makes final, if any. With
     ``reference_slot`` the window's first position (``known[0]``) holds the reference's low-res latent
-    instead of that timeline frame (the frame itself is never read: it is before the context).
+    instead of that timeline frame (the frame itself is never read: it is before the context); with
+    ``FrameGrid.reference_is_first`` N_0's slot is timeline frame 0 itself, which is then both known
+    and in ``generate`` (the sampler returns it clean: the reference's latent).
     """
 
     kind: ChunkKind
@@ -93,9 +146,32 @@ class ChunkPlan:
     # True: every N window starts with the reference's own low-res latent as one more known frame
     # (N_0 at timeline position -1, N_k just before its context); for models trained that way
     reference_frame: bool = False
+    grid: FrameGrid = FrameGrid()  # timeline -> video frames (default: one to one)
+    num_video_frames: int = 0  # the video's length (the last emission is cut there); 0: the whole timeline
 
     def __post_init__(self) -> None:
         validate_plan_params(self.num_frames, self.chunk_frames, self.context_frames, self.interp_frames)
+        if self.grid.reference_is_first and self.reference_frame:
+            raise PlanError("reference_frame (a reference slot in front of every N window) and "
+                            "FrameGrid.reference_is_first (the reference is timeline frame 0) exclude each "
+                            "other: pick one")
+        full = self.grid.video_start(self.num_frames)
+        if not isinstance(self.num_video_frames, int) or not (
+                0 <= self.num_video_frames <= full
+                and (self.num_video_frames == 0 or self.grid.timeline_frames(self.num_video_frames) == self.num_frames)):
+            raise PlanError(f"num_video_frames={self.num_video_frames!r}: {self.num_frames} timeline frames are "
+                            f"{full} video frames; pass a count they cover with no spare timeline frame "
+                            "(FrameGrid.timeline_frames), or 0")
+
+    @property
+    def total_video_frames(self) -> int:
+        return self.num_video_frames or self.grid.video_start(self.num_frames)
+
+    def video_frames(self, timeline: range) -> range:
+        """The video frames of a timeline range, cut at the video's end."""
+        r = self.grid.video_frames(timeline)
+        end = self.total_video_frames
+        return range(min(r.start, end), min(r.stop, end))
 
     @property
     def num_n_chunks(self) -> int:
@@ -128,6 +204,8 @@ class ChunkPlan:
             ctx = range(max(0, gen.start - C), gen.start) if k > 0 else range(gen.start, gen.start)
             if self.reference_frame:
                 ctx = range(ctx.start - 1, ctx.stop)
+            elif self.grid.reference_is_first and k == 0:
+                ctx = range(0, 1)  # the reference is frame 0: known, and part of N_0's output
             emission = None
             if k == 0:
                 emission = Emission(0, gen, gen, range(gen.stop, gen.stop))
@@ -135,7 +213,7 @@ class ChunkPlan:
                 # no I chunk will complete this N chunk: it is final as it stands
                 emission = Emission(k, gen, gen, range(gen.stop, gen.stop))
             out.append(ChunkStep(ChunkKind.N, k, range(ctx.start, gen.stop), tuple(ctx), gen, emission,
-                                 reference_slot=self.reference_frame))
+                                 reference_slot=self.reference_frame or (self.grid.reference_is_first and k == 0)))
             if k >= 1:
                 i = k - 1
                 e_i = self.interp_span(i)
@@ -150,10 +228,16 @@ class ChunkPlan:
         return out
 
     @property
-    def key(self) -> tuple[int, int, int, int, bool, bool]:
-        """What identifies the plan: a resume snapshot is only valid for the same key."""
-        return (self.num_frames, self.chunk_frames, self.context_frames, self.interp_frames, self.use_i_chunks,
-                self.reference_frame)
+    def key(self) -> PlanKey:
+        """What identifies the plan: a resume snapshot is only valid for the same key. The grid's
+        fields are appended only when it is not the identity, so a one-to-one plan keeps the key (and
+        the snapshots) it always had."""
+        base: PlanKey = (self.num_frames, self.chunk_frames, self.context_frames, self.interp_frames,
+                         self.use_i_chunks, self.reference_frame)
+        if self.grid.is_identity and not self.num_video_frames:
+            return base
+        return (*base, self.grid.stride, self.grid.causal_first, self.grid.reference_is_first,
+                self.total_video_frames)
 
     def seams(self) -> list[int]:
         """First frame of every producer's span on the final timeline after frame 0: with I chunks

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.errors import InvalidInputError
+from pipeline.schedule import PlanKey
 
 # 2: ChunkPlan(reference_frame=True) re-anchors every N chunk (it anchored N_0 only in 1), so a
 # version-1 snapshot of such a plan would resume into different windows
@@ -33,7 +34,7 @@ class RollingState:
     last_n: torch.Tensor | None = None  # latents_BCThw of the most recent N chunk (low-res)
     prev_last: torch.Tensor | None = None  # latents_BC1hw: last frame of the N chunk before last_n
     decoder_cache: list[torch.Tensor] = field(default_factory=list)
-    plan_key: tuple[int, int, int, int, bool, bool] = (0, 0, 0, 0, True, False)  # ChunkPlan.key
+    plan_key: PlanKey = (0, 0, 0, 0, True, False)  # ChunkPlan.key
 
     def nbytes(self) -> int:
         tensors = [t for t in (self.last_n, self.prev_last) if t is not None] + list(self.decoder_cache)
@@ -56,7 +57,7 @@ class RollingState:
         return buf.getvalue()
 
     @classmethod
-    def restore(cls, data: bytes, *, plan_key: tuple[int, int, int, int, bool, bool],
+    def restore(cls, data: bytes, *, plan_key: PlanKey,
                 device: torch.device | str = "cpu") -> RollingState:
         try:
             raw = torch.load(io.BytesIO(data), map_location=device, weights_only=True)
@@ -70,7 +71,7 @@ class RollingState:
                 "start the render from the beginning", field="resume_state")
         if tuple(raw["plan_key"]) != tuple(plan_key):
             raise InvalidInputError(
-                f"resume_state belongs to a plan {tuple(raw['plan_key'])} (frames, L, C, e, I chunks, reference frame) but this "
+                f"resume_state belongs to a plan {tuple(raw['plan_key'])} (frames, L, C, e, I chunks, reference frame[, grid stride, causal first, reference first, video frames]) but this "
                 f"render plans {tuple(plan_key)}: the inputs or preset changed; start from the beginning",
                 field="resume_state")
         return cls(

@@ -1,7 +1,7 @@
 """Python client for the longtake HTTP API, and the wire models both sides share.
 
 Users' scripts and the ``longtake`` CLI (submit/status/wait/fetch/cancel/preview) call
-:class:`LongtakeClient`; the server (:mod:`worker.api`) builds its responses from the same pydantic
+:class:`LongtakeClient`; the server (:mod:`worker.api.app`) builds its responses from the same pydantic
 models defined here (:class:`JobView`, :class:`JobListView`, :class:`OutputsView`,
 :class:`PreviewView`), so the two cannot drift. This module imports only httpx and pydantic: no
 Celery, SQLAlchemy or boto3, so a script that only talks to the API stays light.

@@ -1,7 +1,7 @@
 """Structured logs: one JSON object per line, carrying the job id and chunk index when known.
 
-Who calls: the worker process (Celery ``setup_logging`` signal in :mod:`worker.celery_app`), the
-render child (:mod:`worker.runner`) and the CLI call :func:`configure_logging` once at start. Code
+Who calls: the worker process (Celery ``setup_logging`` signal in :mod:`worker.jobs.celery_app`), the
+render child (:mod:`worker.jobs.runner`) and the CLI call :func:`configure_logging` once at start. Code
 that works on a job wraps it in ``with job_context(job_id):`` and updates the chunk with
 :func:`set_chunk`; every record logged inside gets ``job_id`` / ``chunk`` fields. A record may also
 pass them explicitly with ``extra={"job_id": ..., "chunk": ...}``.

@@ -1,8 +1,7 @@
 """Deployment settings: the only place that reads environment variables (prefix ``LONGTAKE_``).
 
-Built once per process by its entry point (CLI command, Celery worker start, API app factory) with
-``Settings()`` and passed down; nothing creates settings at import time except
-:mod:`worker.celery_app`, whose module-level ``app`` is what ``celery -A worker.celery_app`` loads.
+Built once per process by its entry point (CLI command, the worker app's first access, API app
+factory) with ``Settings()`` and passed down; nothing creates settings at import time.
 Each component receives the fields it needs, not the whole object.
 
 The defaults are the embedded ones (SQLite, a local directory as object store) so a laptop needs
@@ -124,11 +123,6 @@ class Settings(BaseSettings):
     )
 
     # --- rendering ----------------------------------------------------------------------------
-    render_entry: str = Field(
-        default="pipeline.render:render",
-        description="module:function of the render entry point every rank process calls (its module "
-        "also defines RenderRequest)",
-    )
     node_ranks: int = Field(
         default=1,
         ge=1,
@@ -151,10 +145,6 @@ class Settings(BaseSettings):
         le=1024,
         description="torch threads per rank; 0 = the rank's share of the cores minus one for its "
         "publisher thread (pipeline.host.default_threads)",
-    )
-    delivery_factory: str = Field(
-        default="worker.tasks:s3_delivery",
-        description="module:function building a job's sinks (see worker.tasks.JobDelivery)",
     )
     checkpoint: Path | None = Field(
         default=None, description="Model checkpoint for the preset (None = preset default)"
@@ -207,3 +197,23 @@ class Settings(BaseSettings):
                 "lower LONGTAKE_HEARTBEAT_S or raise LONGTAKE_LEASE_S"
             )
         return self
+
+    # --- model weights (issue 12) -----------------------------------------------------------------
+    models: dict[str, Path] = Field(
+        default_factory=dict,
+        description="Model name -> weights directory (JSON object in LONGTAKE_MODELS, e.g. "
+        '{"infinitetalk": "/weights"}): the only models a job spec may name (JobSpec.model); a request '
+        "never carries a path. The directory is what `longtake render --weights` takes (docs/wan.md)",
+    )
+
+    def model_weights(self, name: str | None) -> Path | None:
+        """The weights directory of model ``name`` (None: ``checkpoint``, the preset's default);
+        raises ``InvalidInputError(field="model")`` for a name this deployment does not configure."""
+        if name is None:
+            return self.checkpoint
+        if name not in self.models:
+            from pipeline.errors import InvalidInputError
+
+            raise InvalidInputError(f"model: {name!r} is not configured on this worker; configured: "
+                                    f"{sorted(self.models)} (LONGTAKE_MODELS)", field="model")
+        return self.models[name]

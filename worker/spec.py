@@ -3,7 +3,7 @@
 Who builds one: the HTTP API (from JSON or a multipart upload), the Python client, the CLI. The store
 keeps ``JobSpec.model_dump(mode="json")`` in ``jobs.spec``; the worker rebuilds it with
 ``JobSpec.model_validate`` when it claims the job. The tenant is NOT part of the spec: it comes from
-authentication and is passed to :meth:`worker.store.JobStore.create` separately.
+authentication and is passed to :meth:`worker.jobs.store.JobStore.create` separately.
 
 Input URIs take one of three forms:
 
@@ -21,6 +21,7 @@ the worker checks the root again before it reads anything (:func:`resolve_file_u
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 from urllib.parse import unquote, urlsplit
@@ -28,9 +29,7 @@ from urllib.parse import unquote, urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from pipeline.families import DEFAULT_FAMILY, FAMILIES
-
-TEXT_MAX_CHARS = 2000
-"""Longest text/scene prompt accepted; longer prompts are truncated by no one — they are rejected."""
+from pipeline.request import MAX_TEXT_CHARS
 
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 _UPLOAD_ID_RE = re.compile(r"^[A-Za-z0-9_\-]{8,64}$")
@@ -42,12 +41,18 @@ _PRESET_RE = re.compile(r"^[a-z0-9][a-z0-9._\-]{0,31}$")
 
 FILE_ROOT_KEY = "file_root"
 """Validation-context key: the directory ``file://`` inputs must lie under (None: no file:// at all)."""
+MODELS_KEY = "models"
+"""Validation-context key: the model names a spec may request (``Settings.models``)."""
 
 
-def spec_context(file_root: Path | str | None) -> dict[str, Path | None]:
+def spec_context(file_root: Path | str | None, models: Iterable[str] | None = None) -> dict[str, object]:
     """The context the API passes to ``JobSpec.model_validate`` so ``file://`` URIs are checked
-    against the operator's allowed root (``Settings.file_root``)."""
-    return {FILE_ROOT_KEY: Path(file_root).resolve() if file_root is not None else None}
+    against the operator's allowed root (``Settings.file_root``) and ``model`` against the
+    operator's model names (``Settings.models``; None: the name's form only)."""
+    context: dict[str, object] = {FILE_ROOT_KEY: Path(file_root).resolve() if file_root is not None else None}
+    if models is not None:
+        context[MODELS_KEY] = sorted(models)
+    return context
 
 
 def _check_no_traversal(field: str, uri: str, path: str) -> None:
@@ -182,7 +187,7 @@ class JobSpec(BaseModel):
     )
     audio: str = Field(description="Driving audio URI: s3://, file:// (under the allowed root) or upload://")
     text: str | None = Field(
-        default=None, description=f"Optional text/scene prompt, at most {TEXT_MAX_CHARS} characters"
+        default=None, description=f"Optional text/scene prompt, at most {MAX_TEXT_CHARS} characters"
     )
     seed: int = Field(
         default=0, ge=0, lt=2**63, description="Seed; the same seed and inputs give the same video"
@@ -191,12 +196,16 @@ class JobSpec(BaseModel):
         default=DEFAULT_FAMILY, description="Model family, a name registered in pipeline.families (e.g. 'tiny')"
     )
     preset: str = Field(default="tiny", description="Model preset name of the family (e.g. 'tiny')")
+    model: str | None = Field(
+        default=None,
+        description="Weights by name, one the operator configured (LONGTAKE_MODELS); None = the preset's default",
+    )
     priority: int = Field(default=5, ge=0, le=9, description="Queue priority 0 (lowest) to 9 (highest)")
     idempotency_key: str | None = Field(
         default=None, description="Client key; a second submission with the same key returns the first job"
     )
-    output: OutputSpec = Field(default_factory=OutputSpec)  # type: ignore[arg-type]
-    preview: PreviewSpec = Field(default_factory=PreviewSpec)  # type: ignore[arg-type]
+    output: OutputSpec = Field(default_factory=OutputSpec)
+    preview: PreviewSpec = Field(default_factory=PreviewSpec)
 
     @field_validator("image", "audio")
     @classmethod
@@ -208,9 +217,9 @@ class JobSpec(BaseModel):
     def _text(cls, v: str | None) -> str | None:
         if v is None:
             return None
-        if len(v) > TEXT_MAX_CHARS:
+        if len(v) > MAX_TEXT_CHARS:
             raise ValueError(
-                f"text: {len(v)} characters is over the limit of {TEXT_MAX_CHARS}; shorten the prompt"
+                f"text: {len(v)} characters is over the limit of {MAX_TEXT_CHARS}; shorten the prompt"
             )
         if "\x00" in v:
             raise ValueError("text: contains a NUL character; remove it")
@@ -231,6 +240,17 @@ class JobSpec(BaseModel):
             raise ValueError(
                 f"preset: {v!r} is not a preset name; use lowercase letters, digits, '.', '_' or '-' (e.g. 'tiny')"
             )
+        return v
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: str | None, info: ValidationInfo) -> str | None:
+        # weights are chosen by name from the operator's allow-list, never by a path in the request
+        if v is None:
+            return None
+        allowed = (info.context or {}).get(MODELS_KEY)
+        if not _PRESET_RE.match(v) or (allowed is not None and v not in allowed):
+            raise ValueError(f"model: {v!r} is not a model this service offers; use one of {list(allowed or [])}")
         return v
 
     @field_validator("idempotency_key")

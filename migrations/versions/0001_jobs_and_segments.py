@@ -16,7 +16,7 @@ branch_labels = None
 depends_on = None
 
 
-# A copy, not an import, of worker.tables.VIEW_SQL as of this revision: migrations are history.
+# A copy, not an import, of worker.jobs.tables.VIEW_SQL as of this revision: migrations are history.
 VIEW_SQL = """
 CREATE VIEW longtake_jobs_v AS
 SELECT

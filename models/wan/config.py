@@ -107,3 +107,17 @@ def dit_preset(name: str) -> WanDiTConfig:
             audio_context_tokens=4,
         )
     raise ValueError(f"unknown Wan DiT preset {name!r}; use one of '14b', '1.3b', 'tiny'")
+
+
+# component shapes of the tiny release (models.wan.tiny_release); the DiT's is dit_preset("tiny") (text_dim 24, image_dim 40,
+# 3 wav2vec2 layers of 16 channels)
+TINY_SHAPES: dict[str, dict[str, object]] = {
+    "vae": {"base_dim": 8, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2},
+    "t5": {"vocab_size": 64, "d_model": 24, "d_kv": 4, "d_ff": 32, "num_layers": 2, "num_heads": 4},
+    "clip": {"hidden_size": 40, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2,
+             "image_size": 28, "patch_size": 14},
+    "audio": {"hidden_size": 16, "num_hidden_layers": 3, "num_attention_heads": 2, "intermediate_size": 32,
+              "conv_dim": [8] * 7, "conv_kernel": [10, 3, 3, 3, 3, 2, 2], "conv_stride": [5, 2, 2, 2, 2, 2, 2],
+              "feat_extract_norm": "group", "num_conv_pos_embeddings": 16, "num_conv_pos_embedding_groups": 2,
+              "do_stable_layer_norm": False},
+}  # fmt: skip

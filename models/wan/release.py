@@ -37,7 +37,7 @@ DIT_STEM = "diffusion_pytorch_model"
 WAN_I2V_FILES = ("config.json", f"{DIT_STEM}.safetensors.index.json")
 
 
-def _keep_fp32(name: str) -> bool:
+def keep_fp32(name: str) -> bool:
     # Wan computes these under float32 autocast; they are tiny, so they stay float32.
     return name.endswith("modulation") or name.startswith(("time_embedding.", "time_projection."))
 
@@ -77,7 +77,7 @@ def load_avatar_dit(
     entries = sharded_entries(wan_dir, DIT_STEM)
     entries.update(safetensors_entries(overlay_files))
     dit = build_dit(cfg)
-    fill_module(dit, entries, dtype=dtype, device=device, what=f"{release} DiT", keep_fp32=_keep_fp32)
+    fill_module(dit, entries, dtype=dtype, device=device, what=f"{release} DiT", keep_fp32=keep_fp32)
     return dit.eval().requires_grad_(False)
 
 

@@ -6,7 +6,7 @@ set -euo pipefail
 need=()
 command -v ffprobe >/dev/null 2>&1 || need+=(ffmpeg)
 command -v espeak-ng >/dev/null 2>&1 || need+=(espeak-ng)
-# headless Chromium plays worker/static/preview.html in tests/integration/test_delivery_preview_page.py
+# headless Chromium plays worker/delivery/static/preview.html in tests/integration/test_delivery_preview_page.py
 command -v chromium-headless-shell >/dev/null 2>&1 || command -v chromium >/dev/null 2>&1 \
   || need+=(chromium-headless-shell)
 if ((${#need[@]})); then

@@ -8,11 +8,13 @@ framework core never imports this package. Importing it loads no torch (see ``pi
 from __future__ import annotations
 
 from pipeline.families.tiny import TinyFamily
+from pipeline.families.wan import WanFamily
 from pipeline.model_family import FamilyRegistry
 
 FAMILIES = FamilyRegistry()
 """Every family this process can render, by name."""
 
 FAMILIES.register(TinyFamily())
+FAMILIES.register(WanFamily())
 
 DEFAULT_FAMILY = "tiny"

@@ -26,8 +26,8 @@ from jobs_harness import (  # noqa: E402
     settings_from_env,
 )
 
-from worker.db import make_engine, migrate  # noqa: E402
-from worker.store import JobStore  # noqa: E402
+from worker.jobs.db import make_engine, migrate  # noqa: E402
+from worker.jobs.store import JobStore  # noqa: E402
 
 
 @pytest.fixture(scope="session")

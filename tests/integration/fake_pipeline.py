@@ -9,10 +9,8 @@ render counter).
 The "audio" input is a small JSON file describing the render: ``{"num_fragments": 6,
 "sleep_s": 0.2, "fail_at": null, "fail_code": null}``. The image input is only checked to exist.
 
-Also here: :class:`LocalDelivery`, a minimal local-directory delivery with the ``JobDelivery``
-shape, used when ``worker.delivery`` is not available in this checkout. Like the real one it
-writes segment + resume state before calling ``on_commit`` and writes ``final.mp4`` = init + all
-fragments at ``close(ok=True)``.
+Also here: :func:`hanging_delivery`, the worker's real delivery with a sink that hangs once (the
+``hanging`` app of ``celery_apps.py`` injects it into ``JobWorker``).
 """
 
 from __future__ import annotations
@@ -22,10 +20,8 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from pipeline.errors import CancelledError, InvalidInputError, OutOfMemoryError, RenderError
 from pipeline.media_types import Fragment, FrameSink, InitSegment
@@ -206,97 +202,6 @@ def render(
 
 
 # ------------------------------------------------------------------------------------------ delivery
-@dataclass(frozen=True)
-class _Committed:
-    index: int
-    key: str
-    nbytes: int
-    duration_s: float
-    checksum: str
-    state_key: str | None
-    first_frame: int
-    num_frames: int
-
-
-class _LocalSink:
-    def __init__(
-        self, root: Path, prefix: str, committed: Sequence[Any], on_commit: Callable[[Any], None]
-    ) -> None:
-        self.root, self.prefix = root, prefix
-        self.committed = list(committed)
-        self.on_commit = on_commit
-        self.init: bytes | None = None
-
-    def _path(self, name: str) -> Path:
-        p = self.root / self.prefix / name
-        p.parent.mkdir(parents=True, exist_ok=True)
-        return p
-
-    def open(self, init: InitSegment) -> None:
-        self.init = init.data
-        self._path("init.mp4").write_bytes(init.data)
-
-    def write(self, fragment: Fragment) -> None:
-        expected = self.committed[-1].index + 1 if self.committed else 0
-        if fragment.index != expected:
-            raise RuntimeError(f"LocalSink: fragment {fragment.index} arrived, expected {expected}")
-        seg, state = f"seg_{fragment.index:05d}.m4s", f"state_{fragment.index:05d}.bin"
-        self._path(seg).write_bytes(fragment.data)
-        self._path(state).write_bytes(fragment.resume_state or b"")
-        c = _Committed(
-            index=fragment.index,
-            key=self.prefix + seg,
-            nbytes=len(fragment.data),
-            duration_s=fragment.duration_s,
-            checksum=hashlib.sha256(fragment.data).hexdigest(),
-            state_key=self.prefix + state,
-            first_frame=fragment.first_frame,
-            num_frames=fragment.num_frames,
-        )
-        self.on_commit(c)
-        self.committed.append(c)
-
-    def close(self, *, ok: bool) -> None:
-        if ok and self.init is not None:
-            parts = [self.init] + [(self.root / c.key).read_bytes() for c in self.committed]
-            self._path("final.mp4").write_bytes(b"".join(parts))
-
-
-class LocalDelivery:
-    """``JobDelivery`` on a local directory (``object_store_url`` must be ``file:///abs/dir``)."""
-
-    def __init__(
-        self,
-        settings: Any,
-        *,
-        tenant: str,
-        job_id: str,
-        spec: Any,
-        committed: Sequence[Any],
-        on_commit: Callable[[Any], None],
-    ) -> None:
-        self.root = Path(urlsplit(settings.object_store_url).path)
-        self.prefix = f"tenants/{tenant}/jobs/{job_id}/"
-        self.sink = _LocalSink(self.root, self.prefix, committed, on_commit)
-        self.sinks = [self.sink]
-
-    def outputs(self) -> dict[str, str]:
-        return {"mp4": f"file://{self.root / self.prefix / 'final.mp4'}"}
-
-    def partial_outputs(self) -> dict[str, str]:
-        return {"segments": f"file://{self.root / self.prefix}"}
-
-    def load_state(self, key: str) -> bytes:
-        return (self.root / key).read_bytes()
-
-    def abandon(self) -> None:
-        pass
-
-
-def local_delivery(settings: Any, **kw: Any) -> LocalDelivery:
-    return LocalDelivery(settings, **kw)
-
-
 class _HangingSink:
     """Forwards to ``sink``, but its ``write`` of fragment ``index`` never returns (once)."""
 
@@ -318,7 +223,7 @@ class _HangingSink:
 def hanging_delivery(settings: Any, **kw: Any) -> Any:
     """The worker's real delivery whose sinks hang in ``write`` of one fragment, once:
     ``$LONGTAKE_FAKE_SINK_HANG`` = ``"index:marker-path"`` (a stuck upload in the worker thread)."""
-    from worker.tasks import s3_delivery
+    from worker.delivery.job_delivery import s3_delivery
 
     delivery = s3_delivery(settings, **kw)
     index, _, marker = os.environ["LONGTAKE_FAKE_SINK_HANG"].partition(":")

@@ -1,5 +1,5 @@
 """Helpers for the job/worker integration tests (fixtures in conftest.py): a fresh migrated PostgreSQL database per test
-(cloned from a migrated template), a flushed Redis db, and real Celery worker PROCESSES running the
+(cloned from a migrated template), a Celery queue of its own, and real Celery worker PROCESSES running the
 fake render (tests/integration/fake_pipeline.py).
 
 Servers: PostgreSQL 127.0.0.1:5432 (user postgres, trust) and Redis 127.0.0.1:6379 db 1; tests that
@@ -8,7 +8,6 @@ restart a server start their own private instance (see test_jobs_outages.py).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import socket
@@ -31,16 +30,11 @@ sys.path.insert(0, str(HERE))
 
 import fake_pipeline  # noqa: E402
 
-from worker.celery_app import create_celery_app, enqueue_render  # noqa: E402
+from worker.jobs.queue import create_celery_app, enqueue_render  # noqa: E402
+from worker.jobs.records import JobRecord  # noqa: E402
+from worker.jobs.store import JobStore  # noqa: E402
 from worker.settings import Settings  # noqa: E402
 from worker.spec import JobSpec, spec_context  # noqa: E402
-from worker.store import JobRecord, JobStore  # noqa: E402
-
-DELIVERY = (
-    "worker.tasks:s3_delivery"
-    if importlib.util.find_spec("worker.delivery") is not None
-    else "fake_pipeline:local_delivery"
-)
 
 
 def admin_engine():  # type: ignore[no-untyped-def]
@@ -87,11 +81,13 @@ def pid_alive(pid: int) -> bool:
 
 
 class CeleryWorker:
-    """One ``celery -A worker.celery_app worker`` process (its own process group, so kill -9 of the
-    group takes the render child with it)."""
+    """One ``celery -A celery_apps:<app> worker`` process (its own process group, so kill -9 of the
+    group takes the render child with it); ``app`` names a worker app of tests/integration/celery_apps.py."""
 
-    def __init__(self, name: str, env: dict[str, str], log_path: Path, pool: str = "solo") -> None:
-        self.name, self.env, self.log_path, self.pool = name, env, log_path, pool
+    def __init__(
+        self, name: str, env: dict[str, str], log_path: Path, pool: str = "solo", app: str = "app"
+    ) -> None:
+        self.name, self.env, self.log_path, self.pool, self.app = name, env, log_path, pool, app
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 90.0) -> CeleryWorker:
@@ -103,7 +99,7 @@ class CeleryWorker:
                 "-m",
                 "celery",
                 "-A",
-                "worker.celery_app",
+                f"celery_apps:{self.app}",
                 "worker",
                 f"--pool={self.pool}",
                 "-c",
@@ -187,9 +183,9 @@ class JobsEnv:
     def render_log(self) -> Path:
         return self.tmp / "renders.log"
 
-    def start_worker(self, name: str, pool: str = "solo", **extra_env: str) -> CeleryWorker:
+    def start_worker(self, name: str, pool: str = "solo", app: str = "app", **extra_env: str) -> CeleryWorker:
         env = {**self.env, **{f"LONGTAKE_{k.upper()}": v for k, v in extra_env.items()}}
-        w = CeleryWorker(name, env, self.tmp / f"{name}.log", pool=pool).start()
+        w = CeleryWorker(name, env, self.tmp / f"{name}.log", pool=pool, app=app).start()
         self.workers.append(w)
         return w
 
@@ -288,8 +284,6 @@ def make_env(tmp: Path, database_url: str, broker_url: str, **overrides: str) ->
             "LONGTAKE_OBJECT_STORE_URL": f"file://{tmp}/objects",
             "LONGTAKE_FILE_ROOT": str(tmp / "in"),
             "LONGTAKE_WORK_DIR": str(tmp / "work"),
-            "LONGTAKE_RENDER_ENTRY": "fake_pipeline:render",
-            "LONGTAKE_DELIVERY_FACTORY": DELIVERY,
             # one queue per test: a message can only reach this test's workers
             "LONGTAKE_QUEUE_NAME": f"longtake-test-{uuid.uuid4().hex[:10]}",
             "LONGTAKE_LEASE_S": "3",

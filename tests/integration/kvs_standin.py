@@ -1,5 +1,5 @@
 """A local stand-in for the Kinesis Video Streams PutMedia wire protocol (test code; AWS cannot be
-reached here). The client under test (worker.kvs.putmedia) is the real one.
+reached here). The client under test (worker.delivery.kvs.putmedia) is the real one.
 
 ``KVSStandIn`` is an HTTP/1.1 server on 127.0.0.1 that:
 - serves GetDataEndpoint (``POST /getDataEndpoint``, JSON, as boto3's ``kinesisvideo`` client sends

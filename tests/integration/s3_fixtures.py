@@ -21,7 +21,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from worker.storage import S3ObjectStore
+from worker.delivery.s3_store import S3ObjectStore
 
 ACCESS_KEY = "testing-access-key"
 SECRET_KEY = "testing-secret-key"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import socket
 import threading
 import time
@@ -27,22 +28,25 @@ from sqlalchemy.engine import Engine
 
 from tests.integration import kvs_standin
 from tests.integration.s3_fixtures import MotoServer
-from worker import api as api_module
-from worker.api import create_app, upload_key
-from worker.celery_app import RENDER_TASK_NAME, create_celery_app
+from worker.api import uploads as api_module
+from worker.api.app import create_app
 from worker.client import LongtakeAPIError, LongtakeClient
-from worker.db import make_engine, migrate
+from worker.delivery.keys import job_prefix, upload_key
+from worker.delivery.local_store import LocalObjectStore
+from worker.delivery.object_store import ObjectStore
+from worker.jobs.db import make_engine, migrate
+from worker.jobs.queue import RENDER_TASK_NAME, create_celery_app
+from worker.jobs.store import JobStore
 from worker.settings import Settings
-from worker.storage import LocalObjectStore, ObjectStore, job_prefix
-from worker.store import JobStore
 
 pytestmark = pytest.mark.integration
 
 PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-PG_DB = "api_test"
+# per test process: two suites on one machine (two checkouts) share the servers, never the data
+PG_DB = f"api_test_{os.getpid()}"
 PG_URL = f"postgresql+psycopg://postgres@127.0.0.1:5432/{PG_DB}"
 REDIS_URL = "redis://127.0.0.1:6379/3"
-QUEUE = "longtake-api-test"
+QUEUE = f"longtake-api-test-{os.getpid()}"
 TOKEN_A = "token-tenant-a-0123456789"
 TOKEN_B = "token-tenant-b-9876543210"
 TASK = RENDER_TASK_NAME
@@ -65,6 +69,10 @@ def pg_engine() -> Iterator[Engine]:
     engine = make_engine(PG_URL)
     yield engine
     engine.dispose()
+    admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f"DROP DATABASE IF EXISTS {PG_DB} WITH (FORCE)"))
+    admin.dispose()
 
 
 @dataclass
@@ -145,7 +153,8 @@ def _clean(request: pytest.FixtureRequest) -> None:
     if "api" not in request.fixturenames:
         return
     api: Api = request.getfixturevalue("api")
-    api.redis.flushdb()
+    for key in api.redis.scan_iter(f"{QUEUE}*"):  # this process' queue only (see QUEUE)
+        api.redis.delete(key)
     for key in api.objects.list("tenants/"):
         api.objects.delete(key)
     with api.engine.begin() as conn:

@@ -13,10 +13,11 @@ from tests.integration.s3_fixtures import (
     MotoServer,
     moto_s3,  # noqa: F401
 )
-from worker.delivery import CommittedSegment, S3ProgressiveSink
-from worker.kvs.putmedia import PutMediaClient
-from worker.kvs_sink import KVSPreviewSink
-from worker.storage import job_prefix
+from worker.delivery.keys import job_prefix
+from worker.delivery.kvs.putmedia import PutMediaClient
+from worker.delivery.kvs.sink import KVSPreviewSink
+from worker.delivery.s3_sink import S3ProgressiveSink
+from worker.delivery.segment import SegmentRecord
 
 pytestmark = pytest.mark.integration
 
@@ -85,7 +86,7 @@ def test_fatal_error_stops_preview_not_render(standin: KVSStandIn, moto_s3: Moto
     sample = make_sample(6.0)
     kvs = make_sink(standin)
     store = moto_s3.store()
-    commits: list[CommittedSegment] = []
+    commits: list[SegmentRecord] = []
     s3 = S3ProgressiveSink(store, job_prefix("acme", "kvs-fatal"), on_commit=commits.append)
     render_to([kvs, s3])
     assert kvs.status == "stopped" and "4500" in (kvs.error or "")

@@ -15,8 +15,9 @@ import pytest
 from pipeline.errors import SinkError
 from tests.integration.delivery_media import decode_frames, make_sample
 from tests.integration.s3_fixtures import MotoServer
-from worker.delivery import CommittedSegment, S3ProgressiveSink
-from worker.storage import job_prefix
+from worker.delivery.keys import job_prefix
+from worker.delivery.s3_sink import S3ProgressiveSink
+from worker.delivery.segment import SegmentRecord
 
 pytestmark = pytest.mark.integration
 
@@ -35,12 +36,12 @@ def own_moto() -> Iterator[MotoServer]:
 def _outage_run(server: MotoServer, tmp_path: Path, outage_s: float) -> None:
     store = server.store(read_timeout_s=1.0, connect_timeout_s=1.0, max_attempts=2, wait_max_s=0.5)
     sample = make_sample(6.0)
-    commits: list[CommittedSegment] = []
+    commits: list[SegmentRecord] = []
     commit_at: dict[int, float] = {}
     written_at: dict[int, float] = {}
     resumed_at: list[float] = []
 
-    def on_commit(seg: CommittedSegment) -> None:
+    def on_commit(seg: SegmentRecord) -> None:
         commit_at[seg.index] = time.monotonic()
         commits.append(seg)
 
@@ -94,7 +95,7 @@ def test_s3_outage_20s(own_moto: MotoServer, tmp_path: Path) -> None:
 def test_s3_gone_for_good(own_moto: MotoServer) -> None:
     store = own_moto.store(read_timeout_s=1.0, connect_timeout_s=1.0, max_attempts=2, wait_max_s=0.5)
     sample = make_sample(6.0)
-    commits: list[CommittedSegment] = []
+    commits: list[SegmentRecord] = []
     sink = S3ProgressiveSink(store, PREFIX, on_commit=commits.append, give_up_after_s=3.0)
     sink.open(sample.init)
     for frag in sample.fragments[:3]:

@@ -1,4 +1,4 @@
-"""worker/static/preview.html in headless Chromium: it plays the HLS EVENT playlist the sink writes,
+"""worker/delivery/static/preview.html in headless Chromium: it plays the HLS EVENT playlist the sink writes,
 finished and still in progress. Skipped where no Chromium is installed."""
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 
 from tests.integration.delivery_media import make_sample
-from worker.delivery import S3ProgressiveSink
-from worker.storage import LocalObjectStore, job_prefix
+from worker.delivery.keys import job_prefix
+from worker.delivery.local_store import LocalObjectStore
+from worker.delivery.s3_sink import S3ProgressiveSink
 
 pytestmark = pytest.mark.integration
 
-PAGE = Path(__file__).resolve().parents[2] / "worker" / "static" / "preview.html"
+PAGE = Path(__file__).resolve().parents[2] / "worker" / "delivery" / "static" / "preview.html"
 CHROMIUM = next((shutil.which(n) for n in ("chromium-headless-shell", "chromium", "google-chrome")
                  if shutil.which(n)), None)
 PREFIX = job_prefix("acme", "preview-page")

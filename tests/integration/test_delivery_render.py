@@ -16,10 +16,11 @@ from pipeline.render import RenderRequest, render
 from tests.integration.delivery_media import decode_frames, ffprobe_duration
 from tests.integration.kvs_standin import ACCESS_KEY, REGION, SECRET_KEY, KVSStandIn
 from tests.integration.s3_fixtures import MotoServer, moto_s3  # noqa: F401
-from worker.delivery import CommittedSegment, S3ProgressiveSink
-from worker.kvs.putmedia import PutMediaClient
-from worker.kvs_sink import KVSPreviewSink
-from worker.storage import job_prefix
+from worker.delivery.keys import job_prefix
+from worker.delivery.kvs.putmedia import PutMediaClient
+from worker.delivery.kvs.sink import KVSPreviewSink
+from worker.delivery.s3_sink import S3ProgressiveSink
+from worker.delivery.segment import SegmentRecord
 
 pytestmark = pytest.mark.integration
 
@@ -57,9 +58,9 @@ def test_render_to_s3_and_kvs(moto_s3: MotoServer, standin: KVSStandIn, tmp_path
     audio = speech_wav(tmp_path / "a.wav", 2.6, seed=0)
     store = moto_s3.store()
     commit_at: dict[int, float] = {}
-    commits: list[CommittedSegment] = []
+    commits: list[SegmentRecord] = []
 
-    def on_commit(seg: CommittedSegment) -> None:
+    def on_commit(seg: SegmentRecord) -> None:
         commit_at[seg.index] = time.monotonic()
         commits.append(seg)
 
@@ -104,7 +105,7 @@ def test_render_crash_and_resume(moto_s3: MotoServer, tmp_path: Path) -> None:  
 
     store = moto_s3.store()
     prefix = job_prefix("acme", "e2e-resume")
-    commits: list[CommittedSegment] = []
+    commits: list[SegmentRecord] = []
 
     class Crash(Exception):
         pass

@@ -14,8 +14,13 @@ from pipeline.errors import SinkError
 from pipeline.media_types import Fragment
 from tests.integration.delivery_media import Sample, decode_frames, ffprobe_duration, make_sample
 from tests.integration.s3_fixtures import MotoServer, moto_s3, s3_store  # noqa: F401
-from worker.delivery import CommittedSegment, MultipartState, S3ProgressiveSink, presigned_playlist
-from worker.storage import LocalObjectStore, ObjectStore, S3ObjectStore, StorageError, job_prefix
+from worker.delivery.keys import job_prefix
+from worker.delivery.local_store import LocalObjectStore
+from worker.delivery.object_store import ObjectStore
+from worker.delivery.s3_sink import MultipartState, S3ProgressiveSink, presigned_playlist
+from worker.delivery.s3_store import S3ObjectStore
+from worker.delivery.segment import SegmentRecord
+from worker.errors import StorageError
 
 pytestmark = pytest.mark.integration
 
@@ -71,9 +76,9 @@ def verify_final(store: ObjectStore, sink: S3ProgressiveSink, sample: Sample, tm
 
 def test_small_render_preview_on(s3_store: S3ObjectStore, tmp_path: Path) -> None:  # noqa: F811
     sample = make_sample(6.0)
-    commits: list[CommittedSegment] = []
+    commits: list[SegmentRecord] = []
 
-    def on_commit(seg: CommittedSegment) -> None:
+    def on_commit(seg: SegmentRecord) -> None:
         # durable before commit: the segment and its resume state are already readable
         assert s3_store.get_bytes(seg.key) == sample.fragments[seg.index].data
         assert seg.state_key and s3_store.get_bytes(seg.state_key) == sample.fragments[seg.index].resume_state
@@ -114,7 +119,7 @@ def test_small_render_preview_on(s3_store: S3ObjectStore, tmp_path: Path) -> Non
 def test_big_render_multipart(moto_s3: MotoServer, tmp_path: Path, preview: bool) -> None:  # noqa: F811
     store = moto_s3.store()
     sample = make_sample(6.0, gop=12, big=True)
-    commits: list[CommittedSegment] = []
+    commits: list[SegmentRecord] = []
     states: list[MultipartState] = []
     sink = S3ProgressiveSink(store, PREFIX, on_commit=commits.append, preview=preview, on_multipart=states.append)
     run_render(sink, sample, pace_s=0.05)
@@ -151,7 +156,7 @@ def test_big_render_multipart(moto_s3: MotoServer, tmp_path: Path, preview: bool
 def test_resume_reuses_segments_and_parts(moto_s3: MotoServer, tmp_path: Path, preview: bool) -> None:  # noqa: F811
     store = moto_s3.store()
     sample = make_sample(6.0, gop=12, big=True)
-    commits: list[CommittedSegment] = []
+    commits: list[SegmentRecord] = []
     first = S3ProgressiveSink(store, PREFIX, on_commit=commits.append, preview=preview)
     run_render(first, sample, stop=9)
     first.close(ok=False)  # the attempt dies: nothing final, the multipart upload stays open
@@ -162,7 +167,7 @@ def test_resume_reuses_segments_and_parts(moto_s3: MotoServer, tmp_path: Path, p
     resume_from = commits[-1].index + 1
     assert resume_from == (9 if preview else mp.parts[-1].last_index + 1)
 
-    second_commits: list[CommittedSegment] = []
+    second_commits: list[SegmentRecord] = []
     # the job row provides the committed segments; the multipart state is read back from the store
     second = S3ProgressiveSink(store, PREFIX, committed=list(commits), on_commit=second_commits.append,
                                preview=preview)
@@ -188,7 +193,7 @@ def test_write_out_of_order_and_lease_loss(s3_store: S3ObjectStore) -> None:  # 
     class LeaseLostError(Exception):
         pass
 
-    def on_commit(seg: CommittedSegment) -> None:
+    def on_commit(seg: SegmentRecord) -> None:
         if seg.index == 1:
             raise LeaseLostError("lease of job gone")
 
@@ -211,7 +216,7 @@ def test_local_store_embedded_default(tmp_path: Path) -> None:
     """Same sink on the local-directory store, with a tiny part size so the multipart path runs."""
     store = LocalObjectStore(tmp_path / "objects")
     sample = make_sample(6.0)
-    commits: list[CommittedSegment] = []
+    commits: list[SegmentRecord] = []
     sink = S3ProgressiveSink(store, PREFIX, on_commit=commits.append, part_min_bytes=64 * 1024)
     run_render(sink, sample)
     sink.close(ok=True)
@@ -292,7 +297,7 @@ def test_resume_from_an_older_state_resends_nothing(moto_s3: MotoServer, tmp_pat
     state and re-makes committed fragments, which the sink verifies by checksum and never re-sends."""
     store = moto_s3.store()
     sample = make_sample(6.0, gop=12, big=True)
-    commits: list[CommittedSegment] = []
+    commits: list[SegmentRecord] = []
     first = S3ProgressiveSink(store, PREFIX, on_commit=commits.append, preview=preview, state_every=4)
     run_render(first, sample, stop=11)
     first.close(ok=False)
@@ -303,7 +308,7 @@ def test_resume_from_an_older_state_resends_nothing(moto_s3: MotoServer, tmp_pat
     states = [k for k in store.list(PREFIX) if k.rsplit("/", 1)[-1].startswith("state_")]
     assert len(states) == len(with_state)
 
-    second_commits: list[CommittedSegment] = []
+    second_commits: list[SegmentRecord] = []
     second = S3ProgressiveSink(store, PREFIX, committed=list(commits), on_commit=second_commits.append,
                                preview=preview, state_every=4)
     run_render(second, sample, start=restart)  # re-makes restart..last committed, then goes on

@@ -15,8 +15,8 @@ from alembic.script import ScriptDirectory
 from jobs_harness import PG_HOST, admin_engine
 from sqlalchemy import inspect, text
 
-from worker.db import alembic_config, make_engine
-from worker.tables import VIEW_NAME, Base
+from worker.jobs.db import alembic_config, make_engine
+from worker.jobs.tables import VIEW_NAME, Base
 
 pytestmark = pytest.mark.integration
 

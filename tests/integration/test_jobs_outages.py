@@ -18,8 +18,8 @@ import pytest
 from jobs_harness import JobsEnv, free_port, make_env, settings_from_env
 from sqlalchemy import text
 
-from worker.db import make_engine, migrate
-from worker.store import JobStore
+from worker.jobs.db import make_engine, migrate
+from worker.jobs.store import JobStore
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

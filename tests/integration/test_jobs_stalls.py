@@ -51,7 +51,7 @@ def test_a_worker_stuck_in_a_sink_lets_its_lease_expire_and_another_worker_finis
         "stuck",
         progress_timeout_s="1",
         cancel_grace_s="1",
-        delivery_factory="fake_pipeline:hanging_delivery",
+        app="hanging",
         fake_sink_hang=f"2:{marker}",
     )
     job = jobs_env.submit(seed=seed, num_fragments=n, sleep_s=0.1)

@@ -8,9 +8,12 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from worker.db import make_engine
+from worker.delivery.segment import SegmentRecord
+from worker.errors import LeaseLostError
+from worker.jobs.db import make_engine
+from worker.jobs.records import Lease
+from worker.jobs.store import JobStore
 from worker.spec import JobSpec
-from worker.store import JobStore, Lease, LeaseLostError, SegmentRecord
 
 pytestmark = pytest.mark.integration
 

@@ -89,7 +89,7 @@ def test_invalid_input_fails_once_and_oom_is_retried(jobs_env: JobsEnv) -> None:
 def test_preview_sink_failure_costs_the_preview_not_the_job() -> None:
     from pipeline.errors import SinkError
     from pipeline.media_types import Fragment
-    from worker.tasks import _BestEffortSink
+    from worker.delivery.job_delivery import BestEffortSink as _BestEffortSink
 
     class Flaky:
         def __init__(self) -> None:

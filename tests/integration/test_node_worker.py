@@ -174,7 +174,7 @@ def test_real_pipeline_two_jobs_one_worker_warm_family(jobs_env: JobsEnv) -> Non
     if shutil.which("ffprobe") is None:
         pytest.skip("ffprobe not installed")
     w = jobs_env.start_worker(
-        "w1", RENDER_ENTRY="pipeline.render:render", DELIVERY_FACTORY="worker.tasks:s3_delivery",
+        "w1", app="real",
         NODE_THREADS_PER_RANK="1", LEASE_S="30", HEARTBEAT_S="2",
     )
     inp = jobs_env.tmp / "in"

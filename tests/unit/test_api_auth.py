@@ -1,10 +1,10 @@
-"""Bearer-token table parsing, tenant lookup and preview-link signing (worker/auth.py)."""
+"""Bearer-token table parsing, tenant lookup and preview-link signing (worker/api/auth.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from worker.auth import AuthError, PreviewSigner, TokenAuth, parse_tokens
+from worker.api.auth import AuthError, PreviewSigner, TokenAuth, parse_tokens
 
 TOK_A = "aaaaaaaa-token"
 TOK_B = "bbbbbbbb-token"

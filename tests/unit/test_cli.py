@@ -166,13 +166,13 @@ def test_render_is_delegated_without_importing_celery_or_sqlalchemy(tmp_path: Pa
     code = f"""
 import sys, types, json
 sys.path.insert(0, {str(ROOT)!r})
-mod = types.ModuleType("worker.render_cli")
+mod = types.ModuleType("worker.cli.render")
 seen = []
 def main(argv):
     seen.append(list(argv))
     return 7
 mod.main = main
-sys.modules["worker.render_cli"] = mod
+sys.modules["worker.cli.render"] = mod
 from worker.cli import main as cli_main
 rc = cli_main(["render", "--image", "x.png", "--help"])
 heavy = sorted(m for m in ("celery", "sqlalchemy", "fastapi", "boto3", "kombu") if m in sys.modules)
@@ -253,33 +253,44 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 90
 def test_up_then_submit_wait_fetch_on_embedded_defaults(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`longtake up` runs the production API + Celery worker + task code on SQLite, a local object
-    store and a SQLite broker; the render is the fake pipeline (the lead wires the real one). The
-    inputs are local files, so `submit` uploads them and the worker reads them back as upload://."""
+    """`longtake up` runs the production API + task code on SQLite, a local object store and a
+    SQLite broker; here with ``--no-worker`` beside the production worker app with the fake pipeline
+    injected (``celery_apps:app``, started exactly as ``longtake worker`` starts its app). The inputs
+    are local files, so `submit` uploads them and the worker reads them back as upload://."""
     sys.path.insert(0, str(ROOT / "tests" / "integration"))
     import fake_pipeline
+    from jobs_harness import settings_from_env
 
     home = tmp_path / "home"
     port = _free_port()
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "integration")]),
-        "LONGTAKE_RENDER_ENTRY": "fake_pipeline:render",
         "LONGTAKE_LOG_JSON": "false",
         "LONGTAKE_LOG_LEVEL": "WARNING",
         "LONGTAKE_REAPER_ENABLED": "false",
     }
     log = (tmp_path / "up.log").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "worker.cli", "up", "--home", str(home), "--port", str(port)],
+        [sys.executable, "-m", "worker.cli", "up", "--no-worker", "--home", str(home), "--port", str(port)],
         env=env,
         cwd=tmp_path,
         stdout=log,
         stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
+    worker: subprocess.Popen[bytes] | None = None
     try:
-        _wait_healthy(url, proc)
+        _wait_healthy(url, proc)  # migrated, API up: now the worker, as `longtake worker` runs it
+        worker_env = {**env, **cli.embedded_env(home.resolve(), host="127.0.0.1", port=port, token="-")}
+        argv = cli.worker_argv(settings_from_env(worker_env), hostname="up-test@%h", loglevel="WARNING")
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "celery_apps:app", *argv],
+            env=worker_env,
+            cwd=tmp_path,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         token = (home / "token").read_text().strip()
         image = tmp_path / "face.png"
         image.write_bytes(b"\x89PNG not really")
@@ -300,8 +311,12 @@ def test_up_then_submit_wait_fetch_on_embedded_defaults(
         listed = json.loads(capsys.readouterr().out)
         assert [j["id"] for j in listed["jobs"]] == [job_id]
     finally:
+        if worker is not None:
+            worker.send_signal(signal.SIGTERM)
         proc.send_signal(signal.SIGTERM)
         try:
+            if worker is not None:
+                worker.wait(timeout=40)
             rc = proc.wait(timeout=40)
         except subprocess.TimeoutExpired:
             proc.kill()
@@ -318,9 +333,9 @@ def test_migrate_then_reap_requeues_an_expired_lease_and_republishes(
     from kombu import Connection
     from sqlalchemy import inspect
 
-    from worker.db import make_engine
+    from worker.jobs.db import make_engine
+    from worker.jobs.store import JobStore
     from worker.spec import JobSpec
-    from worker.store import JobStore
 
     for key, value in cli.embedded_env(tmp_path, host="127.0.0.1", port=8000, token="t" * 16).items():
         monkeypatch.setenv(key, value)

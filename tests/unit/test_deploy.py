@@ -179,7 +179,7 @@ def _settings_from(env: dict[str, str]) -> Any:
 
 
 def _api_app(env: dict[str, str] | None = None) -> Any:
-    from worker.api import create_app
+    from worker.api.app import create_app
 
     base = {
         "LONGTAKE_DATABASE_URL": "sqlite://",
@@ -195,7 +195,7 @@ def _exported_metrics() -> dict[str, set[str]]:
     from prometheus_client.parser import text_string_to_metric_families
     from prometheus_client.registry import CollectorRegistry
 
-    from worker import metrics as wm
+    from worker.jobs import metrics as wm
 
     texts = [generate_latest(wm.REGISTRY).decode()]
     jobs = CollectorRegistry()
@@ -392,11 +392,27 @@ def test_commands_are_real_cli_commands() -> None:
     assert "longtake = \"worker.cli:main\"" in (ROOT / "pyproject.toml").read_text()
 
 
+def _api_paths(app: Any) -> set[str]:
+    """Every path the app routes, routers included (FastAPI keeps included routers as their own
+    route objects, so ``app.routes`` alone lists only the app's own)."""
+    paths: set[str] = set()
+
+    def walk(routes: Any, prefix: str = "") -> None:
+        for r in routes:
+            if getattr(r, "path", None) is not None:
+                paths.add(prefix + r.path)
+            inner = getattr(r, "original_router", None) or getattr(r, "app", None)
+            if inner is not None and hasattr(inner, "routes") and inner is not app:
+                walk(inner.routes, prefix + getattr(inner, "prefix", ""))
+
+    walk(app.routes)
+    return paths
+
+
 def test_probes_ports_and_scrape_paths_are_real() -> None:
     from worker.settings import Settings
 
-    app = _api_app()
-    routes = {getattr(r, "path", None) for r in app.routes}
+    routes = _api_paths(_api_app())
     api = _base_container("longtake-api")
     ports = {p["name"]: p["containerPort"] for p in api["ports"]}
     assert api["readinessProbe"]["httpGet"]["path"] in routes
@@ -447,13 +463,13 @@ def test_scaledobject_counts_jobs_in_the_stable_view() -> None:
     assert so["spec"]["scaleTargetRef"]["name"] == "longtake-worker"
     (trigger,) = so["spec"]["triggers"]
     query = trigger["metadata"]["query"]
-    from worker.db import migrate
+    from worker.jobs.db import migrate
 
     url = "sqlite:///" + str(Path(__import__("tempfile").mkdtemp()) / "keda.db")
     migrate(url)
     with sa.create_engine(url).connect() as conn:
         assert conn.execute(sa.text(query)).scalar_one() == 0
-    from worker.metrics import JOB_STATUSES
+    from worker.jobs.metrics import JOB_STATUSES
 
     for status in re.findall(r"'(\w+)'", query):
         assert status in JOB_STATUSES
@@ -595,9 +611,9 @@ def test_api_and_migrate_do_not_import_the_render_stack() -> None:
     code = (
         "import sys, tempfile\n"
         "from worker.settings import Settings\n"
-        "from worker.api import create_app\n"
-        "from worker.celery_app import create_celery_app\n"
-        "from worker.db import migrate\n"
+        "from worker.api.app import create_app\n"
+        "from worker.jobs.queue import create_celery_app\n"
+        "from worker.jobs.db import migrate\n"
         "s = Settings(database_url='sqlite:///' + tempfile.mkdtemp() + '/t.db', broker_url='memory://',\n"
         "             object_store_url='file:///tmp/longtake-deploy-test')\n"
         "migrate(s.database_url)\n"

@@ -20,8 +20,8 @@ from tests.integration.kvs_standin import (
     parse_simple_block,
     read_element_header,
 )
-from worker.kvs.fmp4 import parse_fragment, parse_init
-from worker.kvs.mkv import MkvStreamWriter, encode_size
+from worker.delivery.kvs.fmp4_reader import parse_fragment, parse_init
+from worker.delivery.kvs.mkv import MkvStreamWriter, encode_size
 
 TRACK_ENTRY, CODEC_ID, CODEC_PRIVATE, TRACK_NUMBER = 0xAE, 0x86, 0x63A2, 0xD7
 

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from bench.inputs import DEMO_IMAGE
-from worker.render_cli import main
+from worker.cli.render import main
 
 
 def png_header_only(path: Path, w: int, h: int) -> Path:

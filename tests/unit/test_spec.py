@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from worker.spec import TEXT_MAX_CHARS, JobSpec, resolve_file_uri, spec_context
+from pipeline.request import MAX_TEXT_CHARS
+from worker.spec import JobSpec, resolve_file_uri, spec_context
 
 GOOD = {"image": "s3://bucket-a/in/face.png", "audio": "upload://abcdef123456"}
 
@@ -40,9 +41,9 @@ def test_negative_seed_and_bad_priority() -> None:
 
 
 def test_text_over_limit_names_the_limit() -> None:
-    msg = _err({**GOOD, "text": "x" * (TEXT_MAX_CHARS + 1)})
-    assert "text" in msg and str(TEXT_MAX_CHARS) in msg and "shorten" in msg
-    assert JobSpec.model_validate({**GOOD, "text": "x" * TEXT_MAX_CHARS}).text is not None
+    msg = _err({**GOOD, "text": "x" * (MAX_TEXT_CHARS + 1)})
+    assert "text" in msg and str(MAX_TEXT_CHARS) in msg and "shorten" in msg
+    assert JobSpec.model_validate({**GOOD, "text": "x" * MAX_TEXT_CHARS}).text is not None
 
 
 @pytest.mark.parametrize(
@@ -95,7 +96,7 @@ def test_kvs_and_idempotency_key() -> None:
 
 
 def test_settings_guard_long_jobs_and_celery_config() -> None:
-    from worker.celery_app import celery_config
+    from worker.jobs.queue import celery_config
     from worker.settings import Settings
 
     with pytest.raises(ValidationError, match="visibility_timeout_s"):

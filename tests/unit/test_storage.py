@@ -7,15 +7,11 @@ from pathlib import Path
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
 
-from worker.storage import (
-    LocalObjectStore,
-    ObjectNotFoundError,
-    StorageError,
-    _is_retryable,
-    job_prefix,
-    open_object_store,
-    safe_key,
-)
+from worker.delivery.keys import job_prefix, safe_key
+from worker.delivery.local_store import LocalObjectStore
+from worker.delivery.s3_store import _is_retryable
+from worker.delivery.storage import open_object_store
+from worker.errors import ObjectNotFoundError, StorageError
 
 PREFIX = "tenants/acme/jobs/0b9c6f3e-6d1a-4a57-9d43-2b0b7f1c9e11/"
 

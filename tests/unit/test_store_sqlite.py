@@ -10,9 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from worker.db import make_engine, migrate
+from worker.delivery.segment import SegmentRecord
+from worker.errors import LeaseLostError
+from worker.jobs.db import make_engine, migrate
+from worker.jobs.records import Progress
+from worker.jobs.store import JobStore
 from worker.spec import JobSpec
-from worker.store import JobStore, LeaseLostError, Progress, SegmentRecord
 
 SPEC = JobSpec.model_validate(
     {"image": "s3://bucket-a/face.png", "audio": "s3://bucket-a/voice.wav", "seed": 7}

@@ -10,6 +10,7 @@ from transformers import CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5Enco
 from models.wan.checkpoint import WanCheckpointError
 from models.wan.clip import MEAN, STD, VIT_H_14, load_clip_vision
 from models.wan.text import UMT5_XXL, load_umt5, umt5_key
+from models.wan.tiny_release import wan_t5_keys
 
 T5_TINY = {"vocab_size": 64, "d_model": 16, "d_kv": 4, "d_ff": 24, "num_layers": 2, "num_heads": 4}
 CLIP_TINY = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 2,
@@ -29,7 +30,7 @@ def test_umt5_from_wan_pth(tmp_path) -> None:  # type: ignore[no-untyped-def]
     _randomize(ref)
     hf = ref.state_dict()
     # Wan t5.py names (T5Encoder, shared_pos=False): the inverse of umt5_key, checked by the round trip
-    inverse = {umt5_key(k): k for k in _wan_t5_keys(T5_TINY["num_layers"])}
+    inverse = {umt5_key(k): k for k in wan_t5_keys(T5_TINY["num_layers"])}
     assert set(inverse) == set(hf) - {"encoder.embed_tokens.weight"}
     path = tmp_path / "models_t5_umt5-xxl-enc-bf16.pth"
     torch.save({wan: hf[key].to(torch.bfloat16) for key, wan in inverse.items()}, path)
@@ -54,14 +55,6 @@ def test_umt5_from_wan_pth(tmp_path) -> None:  # type: ignore[no-untyped-def]
         assert "textual.extra" in str(exc)
     else:  # pragma: no cover
         raise AssertionError("expected WanCheckpointError")
-
-
-def _wan_t5_keys(num_layers: int) -> list[str]:
-    per = ["norm1.weight", "attn.q.weight", "attn.k.weight", "attn.v.weight", "attn.o.weight",
-           "pos_embedding.embedding.weight", "norm2.weight", "ffn.gate.0.weight", "ffn.fc1.weight", "ffn.fc2.weight"]  # fmt: skip
-    return ["token_embedding.weight", "norm.weight"] + [
-        f"blocks.{i}.{p}" for i in range(num_layers) for p in per
-    ]
 
 
 def _wan_visual_forward(

@@ -3,7 +3,6 @@ encode == diffusers ``encode(...).latent_dist.mode()``; ``Wan2.1_VAE.pth`` (orig
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 from torch import Tensor
 
 from models.wan.checkpoint import WanCheckpointError
+from models.wan.tiny_release import vae_original_key
 from models.wan.vae import WanStreamingVAE, load_wan_vae
 
 Z = 4
@@ -25,32 +25,7 @@ TINY = {
     "latents_std": [1.5, 0.7, 2.0, 1.1],
 }
 
-_RES = {"norm1.gamma": "residual.0.gamma", "conv1": "residual.2", "norm2.gamma": "residual.3.gamma",
-        "conv2": "residual.6", "conv_shortcut": "shortcut"}  # fmt: skip
-
-
-def to_original_keys(key: str) -> str:
-    """diffusers key → the original Wan ``vae.py`` key (the inverse of diffusers' converter; the test
-    below checks the round trip through the converter itself)."""
-    top = {"quant_conv": "conv1", "post_quant_conv": "conv2"}
-    head, _, leaf = key.rpartition(".")
-    if head in top:
-        return f"{top[head]}.{leaf}"
-    side, rest = key.split(".", 1)
-    rest = rest.replace("conv_in.", "conv1.").replace("norm_out.", "head.0.").replace("conv_out.", "head.2.")
-    m = re.match(r"mid_block\.(resnets|attentions)\.(\d)\.(.*)", rest)
-    if m:
-        idx = {"resnets": {"0": 0, "1": 2}, "attentions": {"0": 1}}[m[1]][m[2]]
-        rest = f"middle.{idx}.{m[3]}"
-    m = re.match(r"down_blocks\.(\d+)\.(.*)", rest)
-    if m:
-        rest = f"downsamples.{m[1]}.{m[2]}"
-    m = re.match(r"up_blocks\.(\d)\.(resnets\.(\d)|upsamplers\.0)\.(.*)", rest)
-    if m:
-        rest = f"upsamples.{4 * int(m[1]) + (int(m[3]) if m[3] else 3)}.{m[4]}"
-    for new, old in _RES.items():
-        rest = re.sub(rf"(\.\d+\.){re.escape(new)}(\.|$)", rf"\g<1>{old}\2", rest)
-    return f"{side}.{rest}"
+to_original_keys = vae_original_key  # diffusers key -> original Wan key (round trip checked below)
 
 
 @pytest.fixture(scope="module")

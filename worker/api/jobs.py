@@ -1,0 +1,314 @@
+"""Job routes: submit (JSON or multipart with uploads), get, list, cancel, outputs.
+
+Who calls what: the router is included by :func:`worker.api.app.create_app`. Submission order (what
+makes "nothing queued" true for every rejected request): authenticate -> parse and validate the
+whole spec (with the operator's ``file_root`` as validation context) -> check that every
+``upload://`` input exists under the caller's tenant -> create the row (idempotent on the tenant's
+``idempotency_key``) -> send the Celery message carrying only the job id
+(:func:`worker.jobs.queue.enqueue_render`). A request that fails any step before "create" leaves no
+row and no message (and no uploaded object: :func:`worker.api.uploads.cleanup_on_error`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Annotated, Any, cast
+
+from fastapi import APIRouter, Depends, File, Form, Query, Request, Response, UploadFile
+from pydantic import ValidationError
+
+from worker.api.deps import API_PREFIX, ApiError, Deps, field_errors, get_deps, get_own, job_view, tenant_of
+from worker.api.uploads import cleanup_on_error, store_upload
+from worker.client import JobListView, JobView, OutputsView, SegmentView
+from worker.delivery.keys import parse_upload_uri, upload_key
+from worker.delivery.object_store import ObjectStore
+from worker.jobs.queue import enqueue_render
+from worker.jobs.records import JobStatus
+from worker.spec import JobSpec, spec_context
+
+logger = logging.getLogger(__name__)
+
+JOB_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
+_UPLOAD_FIELDS = ("image", "audio")
+
+router = APIRouter()
+
+
+async def _raw_body(request: Request) -> bytes:
+    return await request.body()
+
+
+def _key_of_uri(objects: ObjectStore, uri: str) -> str:
+    """Object key of a URI this store produced (``objects.uri(key)``)."""
+    probe = "k"
+    base = objects.uri(probe)[: -len(probe)]
+    if not uri.startswith(base):
+        raise ApiError(
+            500,
+            "output_elsewhere",
+            f"output {uri!r} is not in this API's object store ({base}); "
+            "check LONGTAKE_OBJECT_STORE_URL matches the workers'",
+        )
+    return uri[len(base) :]
+
+
+
+def _parse_spec(deps: Deps, data: object, tenant: str) -> JobSpec:
+    if not isinstance(data, dict):
+        raise ApiError(
+            422,
+            "invalid_spec",
+            "the request body must be a JSON object (the job spec), e.g. "
+            '{"image": "s3://bucket/face.png", "audio": "s3://bucket/speech.wav"}',
+        )
+    if "tenant" in data:
+        raise ApiError(
+            422,
+            "invalid_spec",
+            "tenant: is set by your bearer token, not by the spec; remove the field",
+            errors=[{"field": "tenant", "message": "set by your token; remove it"}],
+        )
+    try:
+        spec = JobSpec.model_validate(data, context=spec_context(deps.settings.file_root, deps.settings.models))
+    except ValidationError as exc:
+        errors = field_errors(exc, known_fields=list(JobSpec.model_fields))
+        raise ApiError(422, "invalid_spec", "; ".join(e["message"] for e in errors), errors=errors) from exc
+    for field in _UPLOAD_FIELDS:
+        upload_id = parse_upload_uri(getattr(spec, field))
+        if upload_id is not None and not deps.objects.exists(upload_key(tenant, upload_id)):
+            raise ApiError(
+                422,
+                "invalid_spec",
+                f"{field}: upload://{upload_id} was not uploaded by your tenant; upload the file first "
+                "(POST /v1/uploads or the multipart POST /v1/jobs/upload)",
+                errors=[{"field": field, "message": "unknown upload"}],
+            )
+    return spec
+
+
+def _same_request(existing: dict[str, Any], spec: JobSpec, *, ignore: Sequence[str] = ()) -> bool:
+    new = spec.model_dump(mode="json")
+    return {k: v for k, v in existing.items() if k not in ignore} == {
+        k: v for k, v in new.items() if k not in ignore
+    }
+
+
+def _create_and_enqueue(
+    deps: Deps, spec: JobSpec, tenant: str, response: Response, *, uploaded: Sequence[str] = ()
+) -> JobView:
+    started = datetime.now().astimezone()
+    rec = deps.store.create(spec, tenant=tenant)
+    created = spec.idempotency_key is None or rec.created_at >= started
+    if not created:
+        existing = rec.spec.model_dump(mode="json")
+        ignore = [f for f in _UPLOAD_FIELDS if parse_upload_uri(getattr(spec, f)) is not None] if uploaded else []
+        for key in uploaded:  # the replay reuses the first submission's inputs
+            deps.objects.delete(key)
+        if not _same_request(existing, spec, ignore=ignore):
+            deps.metrics.rejected.labels("idempotency_conflict").inc()
+            raise ApiError(
+                409,
+                "idempotency_conflict",
+                f"idempotency_key: {spec.idempotency_key!r} was already used for job {rec.id} with a "
+                "different spec; use a new key for a new job",
+            )
+        response.status_code = 200
+        if rec.status != "queued" or rec.attempts > 0:
+            return job_view(rec)
+        # Still queued and never claimed: the first submission's message may have been lost (broker
+        # down). Sending again is safe: a claim is a conditional UPDATE, a second message is a no-op.
+    try:
+        enqueue_render(deps.celery, rec.id, queue=deps.settings.queue_name, priority=spec.priority)
+    except Exception as exc:
+        logger.error("job %s: could not enqueue: %s", rec.id, exc)
+        if spec.idempotency_key is None:
+            # Nobody can re-send this one: fail it rather than leave a queued row no worker will see.
+            deps.store.fail(rec.id, code="enqueue_failed", message=f"broker unreachable at submit: {exc}")
+            hint = "submit again"
+        else:
+            hint = "submit again with the same idempotency_key (the job is kept and will be enqueued)"
+        raise ApiError(
+            503, "broker_unavailable", f"job {rec.id} could not be queued ({exc}); {hint}"
+        ) from exc
+    if created:
+        deps.metrics.submitted.inc()
+        response.status_code = 201
+        logger.info("job %s: created for tenant %s and queued", rec.id, tenant)
+    return job_view(rec)
+
+
+
+@router.post(
+    f"{API_PREFIX}/jobs",
+    response_model=JobView,
+    status_code=201,
+    responses={200: {"model": JobView, "description": "idempotent replay: the existing job"}},
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/JobSpec"}}},
+        }
+    },
+    summary="Submit a job (JSON spec with s3://, file:// or upload:// inputs)",
+)
+def submit(
+    request: Request,
+    response: Response,
+    deps: Annotated[Deps, Depends(get_deps)],
+    body: Annotated[bytes, Depends(_raw_body)],
+) -> JobView:
+    tenant = tenant_of(deps, request)
+    try:
+        data = json.loads(body or b"null")
+    except ValueError as exc:
+        deps.metrics.rejected.labels("invalid_json").inc()
+        raise ApiError(
+            400,
+            "invalid_json",
+            f"the body is not valid JSON ({exc}); send the job spec "
+            "as a JSON object with Content-Type: application/json",
+        ) from exc
+    try:
+        spec = _parse_spec(deps, data, tenant)
+    except ApiError as exc:
+        deps.metrics.rejected.labels(exc.code).inc()
+        raise
+    return _create_and_enqueue(deps, spec, tenant, response)
+
+@router.post(
+    f"{API_PREFIX}/jobs/upload",
+    response_model=JobView,
+    status_code=201,
+    responses={200: {"model": JobView, "description": "idempotent replay: the existing job"}},
+    summary="Submit a job with its image and/or audio uploaded in the same multipart request",
+)
+def submit_upload(
+    request: Request,
+    response: Response,
+    deps: Annotated[Deps, Depends(get_deps)],
+    spec: Annotated[str, Form(description="the job spec as JSON, without the uploaded inputs")] = "{}",
+    image: Annotated[UploadFile | None, File(description="reference image file")] = None,
+    audio: Annotated[UploadFile | None, File(description="driving audio file")] = None,
+) -> JobView:
+    tenant = tenant_of(deps, request)
+    try:
+        data = json.loads(spec)
+    except ValueError as exc:
+        raise ApiError(
+            400,
+            "invalid_json",
+            f"spec: not valid JSON ({exc}); send the job spec as a JSON object in the 'spec' form field",
+        ) from exc
+    if not isinstance(data, dict):
+        raise ApiError(422, "invalid_spec", "spec: must be a JSON object (the job spec)")
+    files = {"image": image, "audio": audio}
+    placeholder = "upload://" + "0" * 32
+    for field, upload in files.items():
+        if upload is not None and field in data:
+            raise ApiError(
+                422,
+                "invalid_spec",
+                f"{field}: given both as a file and in the spec; "
+                "leave it out of the spec when you upload it",
+            )
+        if upload is not None:
+            data[field] = placeholder  # validate everything else before storing any bytes
+    try:
+        JobSpec.model_validate(data, context=spec_context(deps.settings.file_root, deps.settings.models))
+    except ValidationError as exc:
+        errors = field_errors(exc, known_fields=list(JobSpec.model_fields))
+        deps.metrics.rejected.labels("invalid_spec").inc()
+        raise ApiError(
+            422, "invalid_spec", "; ".join(e["message"] for e in errors), errors=errors
+        ) from exc
+    keys: list[str] = []
+    with cleanup_on_error(deps, keys):
+        for field, upload in files.items():
+            if upload is not None:
+                uri, key = store_upload(deps, tenant, upload, field)
+                keys.append(key)
+                data[field] = uri
+        job_spec = _parse_spec(deps, data, tenant)
+        return _create_and_enqueue(deps, job_spec, tenant, response, uploaded=keys)
+
+
+@router.get(f"{API_PREFIX}/jobs/{{job_id}}", response_model=JobView, summary="Get one job")
+def get_job(request: Request, job_id: str, deps: Annotated[Deps, Depends(get_deps)]) -> JobView:
+    tenant = tenant_of(deps, request)
+    return job_view(get_own(deps, job_id, tenant))
+
+@router.get(f"{API_PREFIX}/jobs", response_model=JobListView, summary="List your jobs, newest first")
+def list_jobs(
+    request: Request,
+    deps: Annotated[Deps, Depends(get_deps)],
+    status: Annotated[str | None, Query(description="queued|running|succeeded|failed|cancelled")] = None,
+    before: Annotated[datetime | None, Query(description="only jobs created before this time")] = None,
+    limit: Annotated[int, Query(ge=1, le=500, description="at most this many jobs")] = 50,
+) -> JobListView:
+    tenant = tenant_of(deps, request)
+    if status is not None and status not in JOB_STATUSES:
+        raise ApiError(
+            422,
+            "invalid_request",
+            f"status: {status!r} is not a job status; use one of {', '.join(JOB_STATUSES)}",
+        )
+    recs = deps.store.list(
+        tenant=tenant, status=cast("JobStatus | None", status), limit=limit, before=before
+    )
+    views = [job_view(r) for r in recs]
+    next_before = views[-1].created_at if len(views) == limit else None
+    return JobListView(jobs=views, next_before=next_before)
+
+@router.post(
+    f"{API_PREFIX}/jobs/{{job_id}}/cancel",
+    response_model=JobView,
+    status_code=202,
+    summary="Ask a job to stop (takes effect between chunks)",
+)
+def cancel_job(request: Request, job_id: str, deps: Annotated[Deps, Depends(get_deps)]) -> JobView:
+    tenant = tenant_of(deps, request)
+    get_own(deps, job_id, tenant)
+    accepted = deps.store.request_cancel(job_id, tenant=tenant)
+    rec = get_own(deps, job_id, tenant)
+    if not accepted:
+        raise ApiError(409, "not_cancellable", f"job {job_id} is already {rec.status}; nothing to cancel")
+    return job_view(rec)
+
+@router.get(
+    f"{API_PREFIX}/jobs/{{job_id}}/outputs",
+    response_model=OutputsView,
+    summary="Presigned URLs of the final MP4, the playlist and the committed segments",
+)
+def job_outputs(request: Request, job_id: str, deps: Annotated[Deps, Depends(get_deps)]) -> OutputsView:
+    tenant = tenant_of(deps, request)
+    rec = get_own(deps, job_id, tenant)
+    expires = deps.settings.presign_expires_s
+    outputs = dict(rec.outputs)
+    final = outputs.get("mp4")
+    playlist = outputs.get("hls")
+    segs = [
+        SegmentView(
+            index=s.index,
+            url=deps.objects.presign_get(s.key, expires),
+            nbytes=s.nbytes,
+            duration_s=s.duration_s,
+            checksum=s.checksum,
+        )
+        for s in deps.store.segments(job_id)
+    ]
+    return OutputsView(
+        job_id=rec.id,
+        status=rec.status,
+        partial=rec.outputs_partial or rec.status in ("failed", "cancelled"),
+        final=deps.objects.presign_get(_key_of_uri(deps.objects, final), expires)
+        if final and rec.status == "succeeded"
+        else None,
+        playlist=deps.objects.presign_get(_key_of_uri(deps.objects, playlist), expires)
+        if playlist
+        else None,
+        segments=segs,
+        expires_s=expires,
+    )

@@ -1,0 +1,43 @@
+"""The object store interface: what the worker needs from object storage (S3 or a directory).
+
+Implemented by :class:`worker.delivery.s3_store.S3ObjectStore` and
+:class:`worker.delivery.local_store.LocalObjectStore`; opened by
+:func:`worker.delivery.storage.open_object_store`. Keys are relative to the store's root and built
+with :mod:`worker.delivery.keys`; every failure is a :class:`worker.errors.StorageError`.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class PartInfo:
+    """One uploaded part of a multipart upload, as the store reports it."""
+
+    part_number: int
+    etag: str
+    size: int
+
+
+@runtime_checkable
+class ObjectStore(Protocol):
+    """What the worker needs from object storage. Implementations are thread-safe."""
+
+    def put_bytes(self, key: str, data: bytes, *, content_type: str | None = None) -> None: ...
+    def get_bytes(self, key: str) -> bytes: ...
+    def download_to(self, key: str, path: Path) -> None: ...
+    def exists(self, key: str) -> bool: ...
+    def delete(self, key: str) -> None: ...
+    def list(self, prefix: str) -> builtins.list[str]: ...
+    def presign_get(self, key: str, expires_s: int = 3600) -> str: ...
+    def uri(self, key: str) -> str: ...
+    def create_multipart(self, key: str, *, content_type: str | None = None) -> str: ...
+    def upload_part(self, key: str, upload_id: str, part_number: int, data: bytes) -> str: ...
+    def complete_multipart(self, key: str, upload_id: str, parts: Sequence[tuple[int, str]]) -> None: ...
+    def abort_multipart(self, key: str, upload_id: str) -> None: ...
+    def list_parts(self, key: str, upload_id: str) -> builtins.list[PartInfo]: ...

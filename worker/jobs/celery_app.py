@@ -1,0 +1,91 @@
+"""The worker's Celery application: the render task, the worker-process signals, built on demand.
+
+``celery -A worker.jobs.celery_app worker --pool=solo -c 1 -Q longtake`` (or ``longtake worker``)
+loads the module attribute :data:`app`, which is built from ``Settings()`` on first access (a
+module ``__getattr__``), never at import: importing this module reads no environment and connects to
+nothing. Everything else builds its own app with :func:`create_worker_app` (a worker) or
+:func:`worker.jobs.queue.create_celery_app` (a publisher: the API, the reaper, tests).
+
+:func:`create_worker_app` registers ``longtake.render_job(job_id)``, whose body is
+:meth:`worker.jobs.tasks.JobWorker.run` on the process' one ``JobWorker`` (built with the
+``delivery`` factory and ``renderer`` given here: tests pass their fakes), and connects the worker-process signals:
+logging is configured on ``setup_logging``; the reaper (``Settings.reaper_enabled``) runs as a
+daemon thread in the worker's main process from ``worker_ready`` until ``worker_shutdown``.
+The queue configuration and why each setting is there: :mod:`worker.jobs.queue`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from celery import Celery, signals
+
+from pipeline.request import Renderer
+from worker.delivery.job_delivery import DeliveryFactory, s3_delivery
+from worker.jobs.queue import RENDER_TASK_NAME, create_celery_app
+from worker.jobs.reaper import reaper_loop
+from worker.jobs.tasks import JobWorker
+from worker.logging import configure_logging
+from worker.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def create_worker_app(
+    settings: Settings, *, delivery: DeliveryFactory = s3_delivery, renderer: Renderer | None = None
+) -> Celery:
+    """The Celery app a worker process serves: the queue configuration of ``settings``, the render
+    task (``renderer`` — default ``pipeline.render.render`` — rendering into ``delivery``'s sinks) and
+    the worker-process signals. Build one per process."""
+    celery = create_celery_app(settings)
+
+    def render_job(job_id: str) -> str:
+        return JobWorker.for_process(settings, celery, delivery=delivery, renderer=renderer).run(job_id)
+
+    # Celery ships no types: registered by a call rather than its (untyped) decorator
+    celery.task(
+        name=RENDER_TASK_NAME, shared=False, acks_late=True, reject_on_worker_lost=True, ignore_result=True
+    )(render_job)
+
+    _connect_worker_signals(celery, settings)
+    return celery
+
+
+def _connect_worker_signals(celery: Celery, settings: Settings) -> None:
+    stop = threading.Event()
+    uid = f"longtake-{id(celery)}"
+
+    def setup_logging(**_: Any) -> None:
+        configure_logging(settings.log_level, json_lines=settings.log_json)
+
+    def start_reaper(sender: Any = None, **_: Any) -> None:
+        if settings.reaper_enabled and settings.reaper_interval_s > 0:
+            threading.Thread(
+                target=reaper_loop, args=(celery, settings, stop), name="longtake-reaper", daemon=True
+            ).start()
+            log.info("reaper thread started (every %.1f s)", settings.reaper_interval_s)
+
+    def stop_reaper(**_: Any) -> None:
+        stop.set()
+
+    # weak=False: the closures live as long as the process' app (the signals are process-wide)
+    signals.setup_logging.connect(setup_logging, weak=False, dispatch_uid=f"{uid}-logging")
+    signals.worker_ready.connect(start_reaper, weak=False, dispatch_uid=f"{uid}-reaper")
+    signals.worker_shutdown.connect(stop_reaper, weak=False, dispatch_uid=f"{uid}-stop")
+
+
+_app: Celery | None = None
+_app_lock = threading.Lock()
+
+
+def __getattr__(name: str) -> Celery:
+    """``app``: the production worker app, built from ``Settings()`` on first access."""
+    global _app
+    if name != "app":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    with _app_lock:
+        if _app is None:
+            _app = create_worker_app(Settings())
+        return _app

@@ -1,0 +1,369 @@
+"""The render task: claim the row, render on the worker's NodeEngine under a heartbeated lease, end the row.
+
+Who calls: the Celery task ``longtake.render_job(job_id)`` (registered by
+:func:`worker.jobs.celery_app.create_worker_app`) calls :meth:`JobWorker.run`; tests may call it
+directly. One :class:`JobWorker` per process holds the DB engine, the store, the delivery factory it
+was built with and the :class:`NodeExecutor` (the node's warm rank processes, started by the first
+job); nothing else survives a task.
+
+One attempt:
+1. ``claim`` (conditional UPDATE). No lease -> the job is running elsewhere, finished, cancelled or
+   out of attempts: return without rendering (this is how a message delivered twice renders once).
+2. Fetch inputs (``file://`` re-checked against ``Settings.file_root``; ``s3://`` and ``upload://``
+   downloaded into ``work_dir``); read the committed segments and, if any, the resume state of the
+   last one.
+3. Build the job's delivery (the ``delivery`` factory given to :class:`JobWorker`; default
+   :func:`worker.delivery.job_delivery.s3_delivery`) whose ``on_commit`` is the lease-fenced
+   ``JobStore.commit_segment``.
+4. Start :class:`LeaseKeeper` (heartbeat every ``heartbeat_s`` with the latest progress, poll the
+   cancel flag every ``cancel_poll_s``) and run the render on :class:`worker.jobs.runner.NodeExecutor`.
+5. End the row by outcome: finish | mark_cancelled (+ abandon the multipart upload) | requeue and
+   publish a new message (retryable error, attempts left) | fail | nothing (lease lost: the row
+   belongs to someone else now).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from celery import Celery
+
+from pipeline.errors import InvalidInputError, RenderError
+from pipeline.media_types import Fragment
+from pipeline.placement.render_job import RankRenderRequest
+from pipeline.request import Renderer, RenderProgress, RenderRequest
+from worker.delivery.job_delivery import DeliveryFactory, JobDelivery, s3_delivery
+from worker.delivery.keys import upload_key
+from worker.delivery.segment import SegmentRecord
+from worker.delivery.storage import open_object_store
+from worker.errors import LeaseLostError, ObjectNotFoundError
+from worker.jobs import metrics
+from worker.jobs.db import DbRetry, make_engine
+from worker.jobs.lease import LeaseKeeper
+from worker.jobs.queue import enqueue_render
+from worker.jobs.records import JobRecord, Lease, Progress
+from worker.jobs.runner import NodeExecutor, RenderJob, RenderOutcome
+from worker.jobs.store import JobStore
+from worker.logging import job_context, set_chunk
+from worker.settings import Settings
+from worker.spec import resolve_file_uri
+
+log = logging.getLogger(__name__)
+
+
+class JobWorker:
+    """Runs render attempts in this process (one at a time)."""
+
+    _instances: dict[int, JobWorker] = {}
+    _lock = threading.Lock()
+
+    def __init__(
+        self,
+        settings: Settings,
+        celery: Celery | None = None,
+        *,
+        delivery: DeliveryFactory = s3_delivery,
+        renderer: Renderer | None = None,
+    ) -> None:
+        """``celery`` publishes the message of a requeued job (None: it waits for the next one);
+        ``delivery`` builds each attempt's sinks and ``renderer`` renders on the ranks (a
+        module-level function with ``pipeline.render.render``'s signature, which is the default;
+        tests pass their fakes here)."""
+        self.settings = settings
+        self.celery = celery
+        self.engine = make_engine(settings.database_url, pool_size=2)
+        self.store = JobStore(
+            self.engine,
+            max_attempts=settings.max_attempts,
+            retry=DbRetry(settings.db_retry_attempts, settings.db_retry_max_wait_s),
+        )
+        self.owner = settings.worker_name or f"{socket.gethostname()}:{os.getpid()}"
+        self.delivery_factory = delivery
+        if renderer is None:  # the real pipeline (imports the model code: only where a job runs)
+            from pipeline.render import render
+
+            renderer = render
+        self.renderer: Renderer = renderer
+        self.node = NodeExecutor(
+            ranks=settings.node_ranks,
+            device=settings.resolved_node_device(),
+            threads_per_rank=settings.resolved_node_threads(),
+            preset=settings.node_preset,
+            checkpoint=settings.checkpoint,
+        )
+
+    @classmethod
+    def for_process(
+        cls,
+        settings: Settings,
+        celery: Celery | None = None,
+        *,
+        delivery: DeliveryFactory = s3_delivery,
+        renderer: Renderer | None = None,
+    ) -> JobWorker:
+        """One per process (engines must not cross a fork: keyed by pid)."""
+        with cls._lock:
+            inst = cls._instances.get(os.getpid())
+            if inst is None:
+                inst = cls._instances[os.getpid()] = cls(settings, celery, delivery=delivery, renderer=renderer)
+                atexit.register(inst.node.close, settings.kill_grace_s)  # ranks also die with the process (PDEATHSIG)
+            return inst
+
+    # ------------------------------------------------------------------------------ one attempt
+    def run(self, job_id: str) -> str:
+        """Claim and render ``job_id``; returns how the attempt ended (for logs and tests)."""
+        metrics.start_metrics_server(self.settings.metrics_port, self.store.count_by_status)
+        with job_context(job_id):
+            lease = self.store.claim(job_id, owner=self.owner, lease_s=self.settings.lease_s)
+            if lease is None:
+                log.info(
+                    "job not claimable (running elsewhere, ended, cancelled or out of attempts); skipping"
+                )
+                metrics.ATTEMPTS.labels("skipped").inc()
+                return "skipped"
+            metrics.BUSY.set(1)
+            try:
+                outcome = self._attempt(lease)
+            except LeaseLostError as exc:
+                log.warning("lease lost: %s", exc)
+                outcome = "lease_lost"
+            except Exception as exc:
+                # a bug or an outage in this worker, not in the render: give the attempt back now
+                # instead of leaving the lease to expire
+                log.exception("attempt %d broke in the worker", lease.attempt)
+                outcome = self._retry_or_fail(
+                    lease,
+                    None,
+                    code="worker_error",
+                    retryable=True,
+                    message=f"worker {self.owner} failed: {type(exc).__name__}: {exc}",
+                )
+            finally:
+                metrics.BUSY.set(0)
+            metrics.ATTEMPTS.labels(outcome).inc()
+            log.info("attempt %d ended: %s", lease.attempt, outcome)
+            return outcome
+
+    def _attempt(self, lease: Lease) -> str:
+        rec = self.store.get(lease.job_id)
+        if rec is None:
+            raise LeaseLostError(f"job {lease.job_id} vanished after it was claimed")
+        metrics.QUEUE_WAIT.observe(max(0.0, (datetime.now(UTC) - rec.queued_at).total_seconds()))
+        log.info("claimed (attempt %d of %d)", lease.attempt, rec.max_attempts)
+        workdir = self.settings.work_dir / lease.job_id / f"attempt-{lease.attempt}"
+        lost = threading.Event()
+
+        def on_commit(seg: SegmentRecord) -> None:
+            try:
+                self.store.commit_segment(lease, seg)
+            except LeaseLostError:
+                lost.set()
+                raise
+            metrics.SEGMENTS.inc()
+
+        try:
+            committed = self.store.segments(lease.job_id)
+            delivery = self.delivery_factory(
+                self.settings,
+                tenant=rec.tenant,
+                job_id=rec.id,
+                spec=rec.spec,
+                committed=committed,
+                on_commit=on_commit,
+            )
+            image = self._fetch(rec, rec.spec.image, "image", workdir)
+            audio = self._fetch(rec, rec.spec.audio, "audio", workdir)
+            resume_state = self._resume_state(committed, delivery)
+        except InvalidInputError as exc:
+            self.store.fail(lease.job_id, lease=lease, code=exc.code, message=str(exc))
+            return "failed"
+        except Exception as exc:  # storage outage while preparing: retry the attempt later
+            return self._retry_or_fail(
+                lease,
+                None,
+                code="prepare_failed",
+                message=f"preparing the render failed: {exc}",
+                retryable=exc.retryable if isinstance(exc, RenderError) else True,
+            )
+        if committed:
+            log.info("resuming after committed segment %d", committed[-1].index)
+        try:
+            outcome = self._render(lease, rec, delivery, image, audio, resume_state)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        if lost.is_set() and outcome.status != "succeeded":
+            outcome = RenderOutcome(status="stopped", code="lease_lost", message="lease lost during a commit")
+        return self._end(lease, delivery, outcome)
+
+    def _render(
+        self,
+        lease: Lease,
+        rec: JobRecord,
+        delivery: JobDelivery,
+        image: Path,
+        audio: Path,
+        resume_state: bytes | None,
+    ) -> RenderOutcome:
+        s = self.settings
+        keeper = LeaseKeeper(
+            self.store,
+            lease,
+            heartbeat_s=s.heartbeat_s,
+            cancel_poll_s=s.cancel_poll_s,
+            # the render thread's own watchdog (progress_timeout_s, then the kill) acts first
+            stall_s=s.progress_timeout_s + s.cancel_grace_s + s.lease_s,
+        )
+        claimed_at = time.monotonic()
+        first_fragment_at: list[float] = []
+        last_chunk_at = [claimed_at]
+
+        def on_fragment(frag: Fragment) -> None:
+            keeper.alive()
+            now = time.monotonic()
+            set_chunk(frag.index)
+            if not first_fragment_at:
+                first_fragment_at.append(now)
+                metrics.TIME_TO_FIRST_FRAME.observe(now - claimed_at)
+            metrics.CHUNK_SECONDS.observe(now - last_chunk_at[0])
+            last_chunk_at[0] = now
+
+        def on_progress(p: RenderProgress) -> None:
+            keeper.report(
+                Progress(
+                    chunks_done=p.emission_index + 1,
+                    num_chunks=p.num_emissions,
+                    frames_done=p.frames_done,
+                    num_frames=p.num_frames,
+                )
+            )
+
+        request = RenderRequest(
+            image=image,
+            audio=audio,
+            text=rec.spec.text,
+            seed=rec.spec.seed,
+            family=rec.spec.family,
+            preset=rec.spec.preset,
+            checkpoint=s.model_weights(rec.spec.model),
+        )
+        job = RenderJob(
+            job_id=rec.id,
+            render=RankRenderRequest(self.renderer, request, resume_state=resume_state),
+            log_level=s.log_level,
+            log_json=s.log_json,
+        )
+        keeper.start()
+        try:
+            outcome = self.node.run(
+                job,
+                delivery.sinks,
+                stop_reason=keeper.stop_reason,
+                on_progress=on_progress,
+                on_fragment=on_fragment,
+                cancel_grace_s=s.cancel_grace_s,
+                progress_timeout_s=s.progress_timeout_s,
+                timeout_s=s.max_job_s,
+            )
+        finally:
+            keeper.stop()
+        if first_fragment_at:
+            log.info(
+                "first fragment %.2f s after the claim",
+                first_fragment_at[0] - claimed_at,
+                extra={"claim_to_first_fragment_s": round(first_fragment_at[0] - claimed_at, 3)},
+            )
+        if outcome.status == "succeeded" and outcome.result is not None:
+            wall, frames = outcome.result.wall_s, outcome.result.num_frames
+            if wall > 0 and frames > 0:
+                metrics.FRAMES_PER_SECOND.observe(frames / wall)
+        return outcome
+
+    def _end(self, lease: Lease, delivery: JobDelivery, outcome: RenderOutcome) -> str:
+        if outcome.status == "succeeded":
+            self.store.finish(lease, outputs=delivery.outputs())
+            return "succeeded"
+        if outcome.status == "stopped":
+            return "lease_lost"
+        if outcome.status == "cancelled":
+            delivery.abandon()
+            self.store.mark_cancelled(lease, partial_outputs=delivery.partial_outputs())
+            return "cancelled"
+        return self._retry_or_fail(
+            lease,
+            delivery,
+            code=outcome.code or "render_failed",
+            message=outcome.message or "render failed",
+            retryable=outcome.retryable,
+        )
+
+    def _retry_or_fail(
+        self, lease: Lease, delivery: JobDelivery | None, *, code: str, message: str, retryable: bool
+    ) -> str:
+        log.error("attempt %d failed: %s: %s (retryable=%s)", lease.attempt, code, message, retryable)
+        if retryable and self.store.requeue(lease, code=code, message=message):
+            self._publish(lease.job_id)
+            return "requeued"
+        if not retryable:
+            self.store.fail(lease.job_id, lease=lease, code=code, message=message)
+        if delivery is not None:
+            delivery.abandon()
+        return "failed"
+
+    def _publish(self, job_id: str) -> None:
+        if self.celery is None:
+            log.warning("no Celery app: requeued job %s waits for the next message", job_id)
+            return
+        rec = self.store.get(job_id)
+        enqueue_render(
+            self.celery,
+            job_id,
+            queue=self.settings.queue_name,
+            priority=rec.priority if rec is not None else 5,
+        )
+
+    # ------------------------------------------------------------------------------ inputs
+    def _resume_state(self, committed: Sequence[SegmentRecord], delivery: JobDelivery) -> bytes | None:
+        """The state of the newest committed segment that has one (states are stored every
+        ``state_every`` segments); the render re-makes the segments after it, which the delivery
+        sink recognises by checksum and does not upload again. None: start from the beginning."""
+        with_state = [seg for seg in committed if seg.state_key is not None]
+        if not with_state:
+            return None
+        return delivery.load_state(with_state[-1].state_key)  # type: ignore[arg-type]
+
+    def _fetch(self, rec: JobRecord, uri: str, field: str, workdir: Path) -> Path:
+        """A local path for an input URI (downloads s3:// and upload:// into ``workdir``)."""
+        parts = urlsplit(uri)
+        if parts.scheme == "file":
+            try:
+                path = resolve_file_uri(uri, self.settings.file_root, field=field)
+            except ValueError as exc:
+                raise InvalidInputError(str(exc), field=field) from exc
+            if not path.is_file():
+                raise InvalidInputError(f"{field}: {uri!r} does not exist or is not a file", field=field)
+            return path
+        if parts.scheme == "s3":
+            store = open_object_store(f"s3://{parts.netloc}", endpoint_url=self.settings.s3_endpoint_url)
+            key = unquote(parts.path).lstrip("/")
+        else:  # upload://<id>, stored by the API under the tenant
+            store = open_object_store(
+                self.settings.object_store_url, endpoint_url=self.settings.s3_endpoint_url
+            )
+            key = upload_key(rec.tenant, parts.netloc)
+        dest = workdir / f"{field}{Path(key).suffix}"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            store.download_to(key, dest)
+        except ObjectNotFoundError as exc:
+            raise InvalidInputError(f"{field}: {uri!r} does not exist; upload it again", field=field) from exc
+        return dest

@@ -1,2 +1,0 @@
-"""Kinesis Video Streams live preview: fMP4 -> MKV remuxing and our own PutMedia client
-(boto3 has no PutMedia). Used by :class:`worker.kvs_sink.KVSPreviewSink`."""
