@@ -72,7 +72,7 @@ def _parse_spec(deps: Deps, data: object, tenant: str) -> JobSpec:
             errors=[{"field": "tenant", "message": "set by your token; remove it"}],
         )
     try:
-        spec = JobSpec.model_validate(data, context=spec_context(deps.settings.file_root))
+        spec = JobSpec.model_validate(data, context=spec_context(deps.settings.file_root, deps.settings.models))
     except ValidationError as exc:
         errors = field_errors(exc, known_fields=list(JobSpec.model_fields))
         raise ApiError(422, "invalid_spec", "; ".join(e["message"] for e in errors), errors=errors) from exc
@@ -217,7 +217,7 @@ def submit_upload(
         if upload is not None:
             data[field] = placeholder  # validate everything else before storing any bytes
     try:
-        JobSpec.model_validate(data, context=spec_context(deps.settings.file_root))
+        JobSpec.model_validate(data, context=spec_context(deps.settings.file_root, deps.settings.models))
     except ValidationError as exc:
         errors = field_errors(exc, known_fields=list(JobSpec.model_fields))
         deps.metrics.rejected.labels("invalid_spec").inc()
