@@ -360,6 +360,8 @@ def run_fidelity(num_identities: int, seconds: float, seed: int, render_fn: Rend
     ``seconds`` (seed ``seed + K``), the model's clip (``render_fn`` with I chunks) and the
     generator's clip of the same identity and audio (motion seed ``seed + 17``, as
     ``bench.quality --ground-truth``), both scored by a :class:`FidelityMeter` on the model's seams.
+    The sheet shows identity 0 and then the first identities wearing an accessory not shown yet
+    (three at most). Model frames of one clip are held until scored (short clips: seconds).
     Returns ``{"identities": [per identity], "aggregate": aggregate(...)}``."""
     import tempfile
 
@@ -397,7 +399,8 @@ def run_fidelity(num_identities: int, seconds: float, seed: int, render_fn: Rend
         accs = list(gt.identity.accessories)
         rows.append({"identity_seed": ident, "accessories": accs, "frames": len(model_frames),
                      "model": model_s, "truth": truth_s, "ratio": ratios(model_s, truth_s)})
-        if sheet is not None and len(shown) < 3 and (accs or k == num_identities - 1 or len(shown) == 0):
+        seen = {a for title, *_ in shown for a in ACCESSORIES if a in title}
+        if sheet is not None and len(shown) < 3 and (not shown or set(accs) - seen):  # each accessory once
             shown.append((f"held-out {k} ({', '.join(accs) or 'no accessories'})", gt.reference(), gt_frames,
                           [model_frames[t] for t in times if t < len(model_frames)]))
         if log_fn is not None:
