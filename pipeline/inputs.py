@@ -48,7 +48,7 @@ def image_size(path: Path) -> tuple[int, int]:
         with Image.open(path) as im:
             w, h = im.size
             orientation = im.getexif().get(0x0112, 1)
-    except (OSError, SyntaxError, ValueError, EOFError, UnidentifiedImageError):
+    except (OSError, SyntaxError, ValueError, EOFError, UnidentifiedImageError, Image.DecompressionBombError):
         load_reference_image(path, MIN_IMAGE_SIDE, MIN_IMAGE_SIDE)  # raises the error that names the fix
         raise
     return (w, h) if orientation in (5, 6, 7, 8) else (h, w)

@@ -264,3 +264,23 @@ class Settings(BaseSettings):
                 "lower LONGTAKE_HEARTBEAT_S or raise LONGTAKE_LEASE_S"
             )
         return self
+
+    # --- model weights (issue 12) -----------------------------------------------------------------
+    models: dict[str, Path] = Field(
+        default_factory=dict,
+        description="Model name -> weights directory (JSON object in LONGTAKE_MODELS, e.g. "
+        '{"infinitetalk": "/weights"}): the only models a job spec may name (JobSpec.model); a request '
+        "never carries a path. The directory is what `longtake render --weights` takes (docs/wan.md)",
+    )
+
+    def model_weights(self, name: str | None) -> Path | None:
+        """The weights directory of model ``name`` (None: ``checkpoint``, the preset's default);
+        raises ``InvalidInputError(field="model")`` for a name this deployment does not configure."""
+        if name is None:
+            return self.checkpoint
+        if name not in self.models:
+            from pipeline.errors import InvalidInputError
+
+            raise InvalidInputError(f"model: {name!r} is not configured on this worker; configured: "
+                                    f"{sorted(self.models)} (LONGTAKE_MODELS)", field="model")
+        return self.models[name]

@@ -21,6 +21,7 @@ the worker checks the root again before it reads anything (:func:`resolve_file_u
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 from urllib.parse import unquote, urlsplit
@@ -41,12 +42,18 @@ _PRESET_RE = re.compile(r"^[a-z0-9][a-z0-9._\-]{0,31}$")
 
 FILE_ROOT_KEY = "file_root"
 """Validation-context key: the directory ``file://`` inputs must lie under (None: no file:// at all)."""
+MODELS_KEY = "models"
+"""Validation-context key: the model names a spec may request (``Settings.models``)."""
 
 
-def spec_context(file_root: Path | str | None) -> dict[str, Path | None]:
+def spec_context(file_root: Path | str | None, models: Iterable[str] | None = None) -> dict[str, object]:
     """The context the API passes to ``JobSpec.model_validate`` so ``file://`` URIs are checked
-    against the operator's allowed root (``Settings.file_root``)."""
-    return {FILE_ROOT_KEY: Path(file_root).resolve() if file_root is not None else None}
+    against the operator's allowed root (``Settings.file_root``) and ``model`` against the
+    operator's model names (``Settings.models``; None: the name's form only)."""
+    context: dict[str, object] = {FILE_ROOT_KEY: Path(file_root).resolve() if file_root is not None else None}
+    if models is not None:
+        context[MODELS_KEY] = sorted(models)
+    return context
 
 
 def _check_no_traversal(field: str, uri: str, path: str) -> None:
@@ -190,6 +197,10 @@ class JobSpec(BaseModel):
         default=DEFAULT_FAMILY, description="Model family, a name registered in pipeline.families (e.g. 'tiny')"
     )
     preset: str = Field(default="tiny", description="Model preset name of the family (e.g. 'tiny')")
+    model: str | None = Field(
+        default=None,
+        description="Weights by name, one the operator configured (LONGTAKE_MODELS); None = the preset's default",
+    )
     priority: int = Field(default=5, ge=0, le=9, description="Queue priority 0 (lowest) to 9 (highest)")
     idempotency_key: str | None = Field(
         default=None, description="Client key; a second submission with the same key returns the first job"
@@ -236,6 +247,17 @@ class JobSpec(BaseModel):
                 FAMILIES.get(family).preset(v)  # torch-free: presets are plain descriptions
             except InvalidInputError as exc:
                 raise ValueError(f"preset: {exc}; pick a preset of family {family!r}") from exc
+        return v
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: str | None, info: ValidationInfo) -> str | None:
+        # weights are chosen by name from the operator's allow-list, never by a path in the request
+        if v is None:
+            return None
+        allowed = (info.context or {}).get(MODELS_KEY)
+        if not _PRESET_RE.match(v) or (allowed is not None and v not in allowed):
+            raise ValueError(f"model: {v!r} is not a model this service offers; use one of {list(allowed or [])}")
         return v
 
     @field_validator("idempotency_key")

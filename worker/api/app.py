@@ -25,8 +25,8 @@ from celery import Celery
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from sqlalchemy.engine import Engine
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from worker.api import health, jobs, preview, uploads
 from worker.api.auth import PreviewSigner, TokenAuth

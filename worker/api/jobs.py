@@ -169,7 +169,7 @@ def _parse_spec(deps: Deps, data: object, tenant: str, *, probed: Sequence[str] 
 
 def _validate(deps: Deps, data: dict[str, Any]) -> JobSpec:
     try:
-        return JobSpec.model_validate(data, context=spec_context(deps.settings.file_root))
+        return JobSpec.model_validate(data, context=spec_context(deps.settings.file_root, deps.settings.models))
     except ValidationError as exc:
         errors = field_errors(exc, known_fields=list(JobSpec.model_fields))
         raise ApiError(422, "invalid_spec", "; ".join(e["message"] for e in errors), errors=errors) from exc

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from pipeline.errors import RenderError
+from pipeline.errors import InvalidInputError, RenderError
 from pipeline.host import default_threads
 from pipeline.inputs import validate_hls_directory, validate_output_path
 from pipeline.media_types import FrameSink
@@ -35,16 +35,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=Path, help="output MP4 path")
     p.add_argument("--hls", type=Path, default=None, help="also write a live HLS directory here")
     p.add_argument("--seed", type=int, default=0, help="random seed (>= 0); same seed, same video")
-    p.add_argument("--family", default="tiny", help="model family (default: tiny)")
-    p.add_argument("--preset", default="tiny", help="model preset of the family (default: tiny)")
-    p.add_argument("--checkpoint", type=Path, default=None,
-                   help="safetensors checkpoint (default: the one shipped for the preset, if any)")
+    p.add_argument("--family", default="tiny", help="model family: tiny (default) or wan")
+    p.add_argument("--preset", default=None,
+                   help="model preset of the family (default: the family's, e.g. wan: infinitetalk)")
+    p.add_argument("--checkpoint", "--weights", type=Path, default=None, dest="checkpoint",
+                   help="tiny: a safetensors checkpoint (default: the one shipped for the preset); wan: the "
+                   "folder holding the downloads side by side (docs/wan.md)")
+    p.add_argument("--model", default=None,
+                   help="a model name the operator configured (LONGTAKE_MODELS) instead of --weights")
     p.add_argument("--mode", choices=["streaming", "batch"], default="streaming",
                    help="streaming (default) or the conventional batch baseline")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: CPU cores - 1, leaving one to the encoder)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
+
+
+def _request(args: argparse.Namespace) -> RenderRequest:
+    """The request of the parsed arguments: the family's default preset when none is given;
+    ``--model NAME`` looked up in ``Settings.models`` (``--text`` is the wan family's prompt)."""
+    from pipeline.families import FAMILIES
+
+    family = FAMILIES.get(args.family)
+    preset = args.preset or family.default_preset
+    checkpoint = args.checkpoint
+    if args.model is not None:
+        if checkpoint is not None:
+            raise InvalidInputError("give --weights DIR or --model NAME, not both", field="model")
+        from worker.settings import Settings
+
+        checkpoint = Settings().model_weights(args.model)
+    return RenderRequest(image=args.image, audio=args.audio, text=args.text, seed=args.seed,
+                         family=family.name, preset=preset, checkpoint=checkpoint)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         sinks: list[FrameSink] = [FileSink(out)]
         if args.hls is not None:
             sinks.append(HLSDirectorySink(validate_hls_directory(args.hls)))
-        request = RenderRequest(image=args.image, audio=args.audio, text=args.text, seed=args.seed,
-                                family=args.family, preset=args.preset, checkpoint=args.checkpoint)
+        request = _request(args)
         bar: tqdm | None = None
 
         def progress(p: RenderProgress) -> None:
@@ -78,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if result.random_init:
         print("note: the model runs on seeded RANDOM weights (no trained checkpoint for preset "
-              f"{args.preset!r}); the video shows noise-like motion, not a trained avatar.", file=sys.stderr)
+              f"{request.preset!r}); the video shows noise-like motion, not a trained avatar.", file=sys.stderr)
     fps = result.num_frames / result.wall_s if result.wall_s else 0.0
     print(
         f"wrote {out} ({result.num_frames} frames, {result.duration_s:.2f} s of video)\n"

@@ -255,7 +255,7 @@ class JobWorker:
             seed=rec.spec.seed,
             family=rec.spec.family,
             preset=rec.spec.preset,
-            checkpoint=s.checkpoint,
+            checkpoint=s.model_weights(rec.spec.model),
         )
         job = RenderJob(
             job_id=rec.id,
