@@ -195,10 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(render_main(args_list[1:]) or 0)
     parser = build_parser()
     args = parser.parse_args(args_list)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logging.basicConfig(level=_log_level(args), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     handler = _COMMANDS[args.command]
     from worker.client import LongtakeAPIError, LongtakeConnectionError
 
@@ -217,18 +214,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+_SERVICE_COMMANDS = frozenset({"worker", "api", "migrate", "reap", "up"})
+
+
+def _log_level(args: argparse.Namespace) -> int:
+    """Services log INFO; client commands only warnings (no httpx line per request), ``-v`` DEBUG."""
+    if args.verbose:
+        return logging.DEBUG
+    return logging.INFO if args.command in _SERVICE_COMMANDS else logging.WARNING
+
+
 def _settings() -> Settings:
+    """``Settings()`` from the environment; a bad value raises ``ValueError`` naming the variable."""
+    from pydantic import ValidationError
+
     from worker.settings import Settings
 
-    return Settings()  # every field has a default; values come from the environment
+    try:
+        return Settings()  # every field has a default; values come from the environment
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            field = ".".join(str(p) for p in err.get("loc", ()))
+            name = f"LONGTAKE_{field.upper()}" if field else "LONGTAKE_* settings"
+            msg = str(err.get("msg", "")).removeprefix("Value error, ")
+            problems.append(msg if msg.startswith(name) else f"{name}: {msg}")
+        raise ValueError("; ".join(problems)) from None
 
 
 def _client(args: argparse.Namespace) -> LongtakeClient:
     from worker.client import LongtakeClient
 
     settings = _settings()
-    api = args.api or getattr(settings, "api_url", None) or f"http://{settings.api_host}:{settings.api_port}"
-    token = args.token or getattr(settings, "api_token", None)
+    api = args.api or settings.client_api_url()
+    token = args.token or settings.api_token
     if not token:
         raise ValueError("no API token; pass --token TOKEN or set LONGTAKE_API_TOKEN")
     return LongtakeClient(api, token)
@@ -477,6 +496,66 @@ def embedded_env(home: Path, *, host: str, port: int, token: str) -> dict[str, s
     }
 
 
+def self_command() -> str:
+    """How the user can run ``longtake`` again, as a shell word: ``longtake`` when that is on PATH
+    and is this interpreter's script, else the script's path (``.venv/bin/longtake`` after
+    ``make demo``, relative to the working directory when under it), else ``python -m worker.cli``.
+    Used by the commands that print commands to run next (``up``)."""
+    import shlex
+    import shutil
+
+    script = Path(sys.executable).with_name("longtake")
+    on_path = shutil.which("longtake")
+    if script.is_file() and on_path and Path(on_path).resolve() == script.resolve():
+        return "longtake"
+    if script.is_file():
+        try:
+            return shlex.quote(str(script.relative_to(Path.cwd())))
+        except ValueError:
+            return shlex.quote(str(script))
+    return f"{shlex.quote(sys.executable)} -m worker.cli"
+
+
+def _demo_inputs() -> tuple[str, str]:
+    """The shipped demo face and speech (what ``make demo`` renders), or placeholders when this is
+    an installed package without them."""
+    root = Path(__file__).resolve().parents[2]
+    image, audio = root / "models/checkpoints/demo_reference.png", root / "assets/demo/speech.wav"
+    if image.is_file() and audio.is_file():
+        return str(image), str(audio)
+    return "face.png", "speech.wav"
+
+
+def up_banner(home: Path, *, host: str, port: int, token: str) -> str:
+    """What ``longtake up`` prints once its services are started: the two settings the client
+    commands read (``Settings.api_url`` / ``api_token``) as one ``export`` line, and commands that
+    work as printed in that shell (tests/unit/test_cli.py runs them)."""
+    import shlex
+
+    lt = self_command()
+    image, audio = (shlex.quote(p) for p in _demo_inputs())
+    return (
+        f"longtake up: API on http://{host}:{port}, state in {home}\n"
+        f"  export LONGTAKE_API_URL=http://{host}:{port} LONGTAKE_API_TOKEN={token}\n"
+        f"  {lt} submit --image {image} --audio {audio} --wait\n"
+        f"  {lt} preview JOB        # a page that plays the render while it runs\n"
+        f"  {lt} fetch JOB -o out.mp4"
+    )
+
+
+def _api_answers(url: str) -> bool:
+    """True once ``GET url/healthz`` answers at all (``up`` polls it before printing its banner)."""
+    import httpx
+
+    try:
+        resp = httpx.get(f"{url}/healthz", timeout=1.0)
+    except httpx.HTTPError:
+        return False
+    if resp.status_code != 200:
+        print(f"longtake up: the API answers /healthz with {resp.status_code}: {resp.text}", file=sys.stderr)
+    return True
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     home: Path = args.home.resolve()
     for sub_dir in ("objects", "work", "inputs"):
@@ -496,12 +575,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             [python, "-m", "worker.cli", "worker", "--hostname", "longtake-up@%h"], env=env
         )
     procs["api"] = subprocess.Popen([python, "-m", "worker.cli", "api"], env=env)
-    print(
-        f"longtake up: API on http://{args.host}:{args.port}, state in {home}\n"
-        f"  export LONGTAKE_API_URL=http://{args.host}:{args.port} LONGTAKE_API_TOKEN={token}\n"
-        "  longtake submit --image face.png --audio speech.wav --wait",
-        flush=True,
-    )
+    api_url = f"http://{args.host}:{args.port}"
+    announced = False  # the banner's commands work only once the API answers: print it then
     stopping = False
 
     def _stop(signum: int, _frame: object) -> None:
@@ -518,6 +593,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                     print(f"longtake up: {name} exited with {proc.returncode}; stopping", file=sys.stderr)
                     rc = EXIT_JOB_FAILED
                     stopping = True
+            if not announced and not stopping and _api_answers(api_url):
+                print(up_banner(home, host=args.host, port=args.port, token=token), flush=True)
+                announced = True
             time.sleep(0.2)
     finally:
         for proc in procs.values():
