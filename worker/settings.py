@@ -181,6 +181,16 @@ class Settings(BaseSettings):
     )
     upload_max_bytes: int = Field(default=512 * 1024 * 1024, gt=0, description="Largest accepted upload")
 
+    # --- preview page (worker/api/preview.py) -----------------------------------------------------
+    preview_segments: Literal["auto", "api", "presigned"] = Field(
+        default="auto",
+        description="Where the preview playlist points players for init/segments: 'api' = the API "
+        "serves them (signed links, same origin as the preview page: no bucket CORS needed); "
+        "'presigned' = presigned object-store URLs (S3 serves the bytes; the bucket needs a CORS rule "
+        "allowing GET from the page's origin); 'auto' = 'api' for a file:// store (players refuse "
+        "file:// URLs), else 'presigned'",
+    )
+
     # --- API clients (the `longtake submit/status/wait/fetch/cancel/preview` commands) -------------
     api_url: str | None = Field(
         default=None,

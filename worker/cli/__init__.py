@@ -146,8 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job_id")
     _add_client_args(p)
 
-    p = sub.add_parser("preview", help="print the URL to watch a job while it renders")
+    p = sub.add_parser(
+        "preview",
+        help="print the URL to watch a job while it renders",
+        description="Print one URL: a page on the API that plays the render while it runs (any "
+        "browser; the link is signed and expires after LONGTAKE_PRESIGN_EXPIRES_S). KVS jobs: the "
+        "KVS HLS session URL.",
+    )
     p.add_argument("job_id")
+    p.add_argument("--playlist", action="store_true", help="print the HLS playlist URL instead (VLC, ffplay)")
     _add_client_args(p)
 
     p = sub.add_parser(
@@ -389,7 +396,11 @@ def cmd_preview(args: argparse.Namespace) -> int:
     if view.url is None:
         print(f"longtake preview: {view.detail}", file=sys.stderr)
         return EXIT_JOB_FAILED
-    print(view.url)
+    if args.playlist or view.page_url is None:
+        print(view.url)
+    else:
+        print(view.page_url)
+        print("open it in a browser; --playlist prints the HLS playlist for players", file=sys.stderr)
     return EXIT_OK
 
 
