@@ -3,6 +3,7 @@ hand-off (which must not import Celery or SQLAlchemy), and the embedded (`up`) s
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -518,3 +519,42 @@ def test_bad_api_tokens_env_names_variable_and_format(
     assert "LONGTAKE_API_TOKENS" in err and "tenant:token" in err and "JSON object" in err
     assert "s3cr3t-token-without-tenant" not in err  # a token is a secret: the message shows its start only
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_every_subcommand_help_has_a_description_and_its_defaults(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Item 7: `--help` of every command says what it does (a description paragraph, not only the
+    usage line) and shows every default."""
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    out = capsys.readouterr().out
+    description = out.split("\n\n")[1]
+    assert not description.lstrip().startswith(("options:", "positional arguments:")), out
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    flat = " ".join(out.split())
+    for action in sub._actions:
+        if action.default not in (None, False, argparse.SUPPRESS) and action.option_strings:
+            assert "default" in (action.help or "") or f"(default: {action.default})" in flat, action.dest
+
+
+class _FinishedJobClient:
+    """Stands in for LongtakeClient.wait on a job that ended before `longtake wait` looked."""
+
+    def wait(self, job_id: str, *, poll_s: float, timeout_s: float | None, on_update: object) -> object:
+        from worker.client import JobView, ProgressView
+
+        job = JobView(id=job_id, tenant="local", status="succeeded",
+                      progress=ProgressView(chunks_done=17, num_chunks=17, frames_done=272, seconds_done=10.9))
+        on_update(job)  # type: ignore[operator]
+        return job
+
+
+def test_wait_on_a_finished_job_prints_no_absurd_rates(capsys: pytest.CaptureFixture[str]) -> None:
+    """Item 7: on main this printed '694162 chunk/s ... 0.0 fps' (17 chunks 'done' in 0 s)."""
+    rc = cli._wait(_FinishedJobClient(), "j" * 36, timeout_s=None, poll_s=0.1, progress=True)  # type: ignore[arg-type]
+    out, err = capsys.readouterr()
+    assert rc == 0 and "succeeded" in out and "chunks 17/17" in out
+    assert "chunk/s" not in err and "0.0 fps" not in err, err

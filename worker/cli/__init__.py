@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
+from worker.cli.helpfmt import DefaultsShown
+
 if TYPE_CHECKING:
 
     from worker.client import JobView, LongtakeClient
@@ -136,13 +138,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar (e.g. in logs)")
     _add_client_args(p)
 
-    p = sub.add_parser("fetch", help="download a job's final MP4 (and segments)")
+    p = sub.add_parser(
+        "fetch",
+        help="download a job's final MP4 (and segments)",
+        description="Download a finished job's MP4 to -o (a file, or a directory for <JOB_ID>.mp4); "
+        "with --segments also the committed segments of any job, finished or not.",
+    )
     p.add_argument("job_id")
     p.add_argument("-o", "--out", type=Path, default=Path("."), help="file or directory (default: .)")
     p.add_argument("--segments", action="store_true", help="also download the committed segments")
     _add_client_args(p)
 
-    p = sub.add_parser("cancel", help="cancel a job (stops between chunks)")
+    p = sub.add_parser(
+        "cancel",
+        help="cancel a job (stops between chunks)",
+        description="Cancel a job: a queued one at once, a running one between two chunks (its "
+        "committed segments stay; `longtake fetch --segments` gets them).",
+    )
     p.add_argument("job_id")
     _add_client_args(p)
 
@@ -165,13 +177,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hostname", help="Celery node name (default: longtake@<host>)")
     p.add_argument("--loglevel", default=None, help="Celery log level (default: LONGTAKE_LOG_LEVEL)")
 
-    p = sub.add_parser("api", help="serve the HTTP API (uvicorn)")
+    p = sub.add_parser(
+        "api",
+        help="serve the HTTP API (uvicorn)",
+        description="Serve the HTTP API (docs/api.md) with uvicorn on the LONGTAKE_* settings: jobs "
+        "database, broker, object store, LONGTAKE_API_TOKENS.",
+    )
     p.add_argument("--host", help="bind address (default: LONGTAKE_API_HOST)")
     p.add_argument("--port", type=int, help="port (default: LONGTAKE_API_PORT)")
 
-    sub.add_parser("migrate", help="create/upgrade the jobs database schema (alembic upgrade head)")
+    sub.add_parser(
+        "migrate",
+        help="create/upgrade the jobs database schema (alembic upgrade head)",
+        description="Create or upgrade the jobs database at LONGTAKE_DATABASE_URL to the newest "
+        "schema (alembic upgrade head); safe to repeat.",
+    )
 
-    p = sub.add_parser("reap", help="requeue jobs whose worker lease expired")
+    p = sub.add_parser(
+        "reap",
+        help="requeue jobs whose worker lease expired",
+        description="Requeue jobs whose worker stopped heartbeating (lease expired) and publish their "
+        "messages again; once, or every --every seconds. Workers also reap on their own.",
+    )
     p.add_argument("--every", type=float, metavar="SECONDS", help="repeat forever at this interval")
 
     p = sub.add_parser(
@@ -187,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="API bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="API port (default 8000)")
     p.add_argument("--no-worker", action="store_true", help="run only the API")
+    for command in sub.choices.values():
+        command.formatter_class = DefaultsShown
     return parser
 
 
@@ -341,20 +370,23 @@ def _wait(
     def on_update(job: JobView) -> None:
         nonlocal bar
         p = job.progress
-        if not progress:
-            return
+        if not progress or (bar is None and job.is_terminal):
+            return  # a job that had ended before we looked: its line below says it all
         if bar is None:
-            bar = tqdm(total=p.num_chunks, unit="chunk", desc=job_id[:8], file=sys.stderr, dynamic_ncols=True)
+            # initial=: chunks done before we looked are not counted into tqdm's chunk/s rate
+            bar = tqdm(total=p.num_chunks, initial=p.chunks_done, unit="chunk", desc=job_id[:8],
+                       file=sys.stderr, dynamic_ncols=True)
         if p.num_chunks is not None and bar.total != p.num_chunks:
             bar.total = p.num_chunks
-        # frames/s over the last poll interval: what the user feels, not a lifetime average
+        # frames/s over the last poll interval: what the user feels, not a lifetime average;
+        # nothing is shown until two polls have been seen
         now = time.monotonic()
-        fps = 0.0
+        rate = ""
         if "t" in last and now > last["t"]:
-            fps = max(0.0, (p.frames_done - last["frames"]) / (now - last["t"]))
+            rate = f" {max(0.0, (p.frames_done - last['frames']) / (now - last['t'])):.1f} fps"
         last.update(t=now, frames=float(p.frames_done))
         bar.n = p.chunks_done
-        bar.set_postfix_str(f"{job.status} {fps:.1f} fps {p.seconds_done:.1f}s video")
+        bar.set_postfix_str(f"{job.status}{rate} {p.seconds_done:.1f}s video")
         bar.refresh()
 
     try:

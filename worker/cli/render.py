@@ -29,6 +29,7 @@ from pipeline.errors import InvalidInputError, RenderError
 from pipeline.inputs import load_reference_image, probe_audio, validate_hls_directory, validate_output_path
 from pipeline.request import MAX_TEXT_CHARS
 from pipeline.sinks import PARTIAL_SUFFIX
+from worker.cli.helpfmt import DefaultsShown
 
 if TYPE_CHECKING:
     from pipeline.request import RenderResult
@@ -49,17 +50,6 @@ class Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
-class _DefaultsShown(argparse.HelpFormatter):
-    """Adds "(default: X)" to options that have a real default and do not state it already."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        shown = action.default is not None and action.default is not False and action.default != argparse.SUPPRESS
-        if shown and "default" not in text:
-            text += " (default: %(default)s)"
-        return text
-
-
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -73,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="longtake render",
         description="Render a video of the person in --image speaking --audio (any length). The inputs "
         "are checked before the model loads; Ctrl-C or SIGTERM stops the render and removes OUT.partial.",
-        formatter_class=_DefaultsShown,
+        formatter_class=DefaultsShown,
     )
     p.add_argument("--image", required=True, type=Path,
                    help="reference image: 8-bit PNG, JPEG, WebP, BMP, GIF or TIFF; an alpha channel only if "
