@@ -1,6 +1,8 @@
-"""The reference model family: plain ``nn.Module``s with no framework code (see docs/models.md).
+"""The model families' networks: plain ``nn.Module``s with no framework code (see docs/models.md).
 
-Import the classes from their modules (``models.dit.A2VDiT`` …) or from here.
+Import the classes from their modules (``models.dit.A2VDiT``, ``models.wan.dit`` …). This package
+itself imports nothing heavy, so torch-free readers of a family's configuration (the API and the
+Celery parent validating a job spec through ``pipeline.families``) stay torch-free.
 """
 
 from __future__ import annotations
@@ -12,42 +14,3 @@ import os
 # spinning workers starved them (measured 4x slower renders on a loaded 2-core machine). An explicit
 # OMP_WAIT_POLICY in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-from models.audio import AudioEncoder
-from models.checkpoint import CheckpointError, build_modules, load_checkpoint, save_checkpoint
-from models.dit import A2VDiT
-from models.presets import (
-    PRESETS,
-    AudioConfig,
-    DiTConfig,
-    ModelPreset,
-    SRConfig,
-    TextConfig,
-    VAEConfig,
-    get_preset,
-)
-from models.sampler import FlowMatchEulerSampler
-from models.sr import SRDiT
-from models.text import TextEncoder
-from models.vae import CausalVAE
-
-__all__ = [
-    "PRESETS",
-    "A2VDiT",
-    "AudioConfig",
-    "AudioEncoder",
-    "CausalVAE",
-    "CheckpointError",
-    "DiTConfig",
-    "FlowMatchEulerSampler",
-    "ModelPreset",
-    "SRConfig",
-    "SRDiT",
-    "TextConfig",
-    "TextEncoder",
-    "VAEConfig",
-    "build_modules",
-    "get_preset",
-    "load_checkpoint",
-    "save_checkpoint",
-]

@@ -8,17 +8,18 @@ Called once per render attempt before any model runs, so a bad input fails fast 
   need a guess (which background, which colour profile) that silently changes the person's look.
   An alpha channel that is fully opaque (alpha 255 everywhere) is no transparency and is dropped.
 * :class:`AudioSource` decodes the audio file once into two mono float32 tracks (model rate for
-  features, output rate for AAC) kept in temporary ``np.memmap`` files, so a multi-hour input costs
-  disk, not RAM. The pipeline reads windows of it per chunk; the encoder reads its fragment's span.
+  features, output rate for AAC) kept in temporary files, so a multi-hour input costs disk, not RAM.
+  The pipeline reads windows of it per chunk, the encoder its fragment's span, both with positioned
+  reads (``os.pread``): nothing of the file is mapped, so none of it counts in the resident set.
 """
 
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import re
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 from types import TracebackType
@@ -51,7 +52,7 @@ def image_size(path: Path) -> tuple[int, int]:
         with Image.open(path) as im:
             w, h = im.size
             orientation = im.getexif().get(0x0112, 1)
-    except (OSError, SyntaxError, ValueError, EOFError, UnidentifiedImageError):
+    except (OSError, SyntaxError, ValueError, EOFError, UnidentifiedImageError, Image.DecompressionBombError):
         load_reference_image(path, MIN_IMAGE_SIDE, MIN_IMAGE_SIDE)  # raises the error that names the fix
         raise
     return (w, h) if orientation in (5, 6, 7, 8) else (h, w)
@@ -190,13 +191,17 @@ class AudioSource:
     """The driving audio, decoded once, mono float32 at two rates, on disk.
 
     Created by the worker/CLI with :meth:`open` before the render, read by the audio-feature stage
-    (``model_rate``) and the encoder (``output_rate``), closed after the render. :meth:`read` returns
-    copies, so callers never hold the memmap. On POSIX the temp files are unlinked as soon as they are
-    mapped: the disk space lives exactly as long as the mapping, and a killed worker leaks nothing.
-    Elsewhere they are deleted by :meth:`close`.
+    (``model_rate``) and the encoder (``output_rate``), from two threads, closed after the render.
+    :meth:`read` returns new arrays read with ``os.pread`` from the open files: the tracks are never
+    memory-mapped, because file-backed pages a process touched stay in its resident set — with a
+    mapping (and ``madvise(DONTNEED)`` of each window read) the kernel's fault-around mapped the
+    neighbouring, already-read pages back in, and RSS grew by ~48 MB per 10 minutes of video
+    (docs/benchmarks.md, "Memory as users run it"). On POSIX the temp files are unlinked as soon as
+    they are opened: the disk space lives exactly as long as the descriptors, and a killed worker
+    leaks nothing. Elsewhere they are deleted by :meth:`close`.
     """
 
-    def __init__(self, path: Path, tracks: dict[int, np.memmap], files: list[Path]) -> None:
+    def __init__(self, path: Path, tracks: dict[int, _Track], files: list[Path]) -> None:
         self.path = path
         self._tracks = tracks
         self._files = files
@@ -210,6 +215,7 @@ class AudioSource:
         tmpdir = Path(tempfile.gettempdir())
         files: list[Path] = []
         writers: dict[int, BinaryIO] = {}
+        tracks: dict[int, _Track] = {}
         try:
             for rate in rates:
                 fd, name = tempfile.mkstemp(prefix=f"longtake-audio-{rate}-", suffix=".f32", dir=tmpdir)
@@ -218,14 +224,13 @@ class AudioSource:
             _decode_into(path, writers)
             for f in writers.values():
                 f.close()
-            tracks: dict[int, np.memmap] = {}
             for rate, file in zip(rates, files, strict=True):
                 n = file.stat().st_size // 4
                 if n == 0:
                     raise _audio_error(
                         path, "contains no audio samples (zero length)", "use a non-empty recording"
                     )
-                tracks[rate] = np.memmap(file, dtype=np.float32, mode="r", shape=(n,))
+                tracks[rate] = _Track(file, n)
             if os.name == "posix":
                 for file in files:
                     file.unlink()
@@ -233,6 +238,8 @@ class AudioSource:
         except BaseException:
             for f in writers.values():
                 f.close()
+            for track in tracks.values():
+                track.close()
             for file in files:
                 file.unlink(missing_ok=True)
             raise
@@ -241,7 +248,7 @@ class AudioSource:
         return source
 
     def num_samples(self, rate: int) -> int:
-        return int(self._track(rate).shape[0])
+        return self._track(rate).num_samples
 
     @property
     def duration_s(self) -> float:
@@ -254,16 +261,17 @@ class AudioSource:
         if stop < start:
             raise ValueError(f"read(start={start}, stop={stop}): stop must be >= start")
         out = np.zeros(stop - start, dtype=np.float32)
-        lo, hi = max(start, 0), min(stop, track.shape[0])
+        lo, hi = max(start, 0), min(stop, track.num_samples)
         if hi > lo:
-            out[lo - start : hi - start] = track[lo:hi]
-            _drop_resident(track, lo, hi)
+            track.read_into(out[lo - start : hi - start], lo)
         return out
 
     def close(self) -> None:
-        """Release the mappings (and with them the disk space). Idempotent."""
+        """Close the files (and with them free the disk space). Idempotent."""
         self._closed = True
-        self._tracks.clear()  # drop the memmaps before unlinking (Windows would refuse otherwise)
+        for track in self._tracks.values():
+            track.close()
+        self._tracks.clear()  # closed before unlinking (Windows would refuse otherwise)
         for file in self._files:
             file.unlink(missing_ok=True)
         self._files = []
@@ -276,7 +284,7 @@ class AudioSource:
     ) -> None:
         self.close()
 
-    def _track(self, rate: int) -> np.memmap:
+    def _track(self, rate: int) -> _Track:
         if self._closed:
             raise ValueError(f"AudioSource({str(self.path)!r}) is closed")
         if rate not in self._tracks:
@@ -284,20 +292,30 @@ class AudioSource:
         return self._tracks[rate]
 
 
-def _drop_resident(track: np.memmap, lo: int, hi: int) -> None:
-    """Give the mapped pages of ``[lo, hi)`` back: file-backed pages stay in this process's resident
-    set once touched, so an hour of audio read chunk by chunk would grow RSS by ~900 MB. Reading
-    them again just faults them in from the page cache."""
-    mm = getattr(track, "_mmap", None)
-    if mm is None or not hasattr(mm, "madvise"):
-        return
-    page = mmap.PAGESIZE
-    first = (lo * 4 + getattr(track, "offset", 0)) // page * page
-    last = -(-(hi * 4 + getattr(track, "offset", 0)) // page) * page
-    try:
-        mm.madvise(mmap.MADV_DONTNEED, first, min(last, len(mm)) - first)
-    except (OSError, ValueError):  # not fatal: only memory accounting is at stake
-        pass
+class _Track:
+    """One decoded track: an open file of float32 samples, read at positions (thread-safe)."""
+
+    def __init__(self, file: Path, num_samples: int) -> None:
+        self.num_samples = num_samples
+        self._file = open(file, "rb", buffering=0)  # noqa: SIM115 - held open for the render
+        self._lock = threading.Lock()  # only where there is no os.pread (one shared file offset)
+
+    def read_into(self, out: np.ndarray, first: int) -> None:
+        view = out.data.cast("B")  # out: a contiguous float32 slice of the result
+        offset, done = first * 4, 0
+        while done < len(view):
+            if hasattr(os, "preadv"):
+                n = os.preadv(self._file.fileno(), [view[done:]], offset + done)
+            else:  # pragma: no cover - not POSIX
+                with self._lock:
+                    self._file.seek(offset + done)
+                    n = self._file.readinto(view[done:]) or 0
+            if n <= 0:
+                raise OSError(f"decoded audio file ended at byte {offset + done}, expected {offset + len(view)}")
+            done += n
+
+    def close(self) -> None:
+        self._file.close()
 
 
 def _check_audio_path(path: Path) -> None:
@@ -327,11 +345,12 @@ def _open_audio(path: Path) -> av.container.InputContainer:
     return container
 
 
-def probe_audio(path: Path) -> int:
+def probe_audio_channels(path: Path) -> int:
     """Check the audio at ``path`` from its header and first decoded samples, without decoding the
     rest: what ``longtake render`` runs before importing torch, so a bad file fails in a blink.
     Returns the channel count (the render downmixes to mono; the CLI says so). Raises the
-    :class:`InvalidInputError` that :meth:`AudioSource.open` would."""
+    :class:`InvalidInputError` that :meth:`AudioSource.open` would. (The API's submit-time probe
+    with the duration cap is :func:`pipeline.probe.probe_audio`.)"""
     path = Path(path)
     _check_audio_path(path)
     with _open_audio(path) as container:

@@ -16,13 +16,30 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 _TOKENS_FORMAT = (
     "a JSON object token -> tenant, e.g. LONGTAKE_API_TOKENS='{\"<token>\": \"tenant-a\"}', or the "
     "compact form tenant:token[,tenant:token...], e.g. LONGTAKE_API_TOKENS='tenant-a:<token>'"
 )
+
+_TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
+_GRANT_RE = re.compile(r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]/([A-Za-z0-9_.\-]+/)*$")
+
+
+class TenantQuota(BaseModel):
+    """One tenant's submit quota (``Settings.tenant_quotas``); None = no limit. Checked by the API at
+    submit (:mod:`worker.api.quotas`), from the jobs table, so it holds across API processes."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    jobs_in_flight: int | None = Field(
+        default=None, ge=0, description="Jobs queued or running at once (0 = submissions closed)"
+    )
+    submissions_per_hour: int | None = Field(
+        default=None, ge=0, description="Jobs created in any 60 minutes (idempotent replays not counted)"
+    )
 
 
 class Settings(BaseSettings):
@@ -217,6 +234,55 @@ class Settings(BaseSettings):
         """Where the client commands send requests: ``api_url``, else the API's own bind address."""
         return self.api_url or f"http://{self.api_host}:{self.api_port}"
 
+    # --- API hardening: input grants, request bounds, rate limits, media checks, quotas -----------
+    input_grants: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="Tenant -> s3://bucket/prefix/ list the API and the workers may read inputs from for "
+        "that tenant ('*' = every tenant), JSON in LONGTAKE_INPUT_GRANTS, e.g. "
+        '{"tenant-a": ["s3://assets/tenant-a/"], "*": ["s3://public-assets/"]}. Uploads '
+        "(upload://) are always the uploader's own; any other s3:// input is refused",
+    )
+    api_json_max_bytes: int = Field(
+        default=256 * 1024, gt=0, description="Largest body of a JSON request (413 above it)"
+    )
+    api_rate_per_s: float = Field(
+        default=20.0,
+        ge=0,
+        description="Requests per second each bearer token may make (token bucket, per API process; "
+        "0 = no limit); over it the answer is 429 with Retry-After",
+    )
+    api_rate_burst: int = Field(
+        default=60, ge=1, description="Requests a token may make at once before api_rate_per_s applies"
+    )
+    max_audio_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Longest driving audio accepted at submit, in seconds (None = no cap); checked on "
+        "uploaded audio from its header",
+    )
+    tenant_quotas: dict[str, TenantQuota] = Field(
+        default_factory=dict,
+        description="Tenant ('*' = any tenant without its own entry) -> quota checked at submit, JSON in "
+        'LONGTAKE_TENANT_QUOTAS, e.g. {"*": {"jobs_in_flight": 10, "submissions_per_hour": 200}}',
+    )
+
+    @field_validator("input_grants")
+    @classmethod
+    def _grants(cls, value: dict[str, list[str]]) -> dict[str, list[str]]:
+        for tenant, prefixes in value.items():
+            if tenant != "*" and not _TENANT_RE.match(tenant):
+                raise ValueError(
+                    f"LONGTAKE_INPUT_GRANTS: {tenant!r} is not a tenant name; use the tenant of "
+                    "LONGTAKE_API_TOKENS or '*' for every tenant"
+                )
+            for prefix in prefixes:
+                if not _GRANT_RE.match(prefix) or "/../" in prefix or "/./" in prefix or "//" in prefix[5:]:
+                    raise ValueError(
+                        f"LONGTAKE_INPUT_GRANTS[{tenant!r}]: {prefix!r} is not a grant; write "
+                        "s3://bucket/ or s3://bucket/prefix/ (ending in '/', no '..')"
+                    )
+        return value
+
     def resolved_node_device(self) -> str:
         """``node_device`` with ``auto`` decided from the driver's GPU list (no CUDA call here: the
         Celery process must never initialise CUDA)."""
@@ -245,6 +311,26 @@ class Settings(BaseSettings):
                 "lower LONGTAKE_HEARTBEAT_S or raise LONGTAKE_LEASE_S"
             )
         return self
+
+    # --- model weights (issue 12) -----------------------------------------------------------------
+    models: dict[str, Path] = Field(
+        default_factory=dict,
+        description="Model name -> weights directory (JSON object in LONGTAKE_MODELS, e.g. "
+        '{"infinitetalk": "/weights"}): the only models a job spec may name (JobSpec.model); a request '
+        "never carries a path. The directory is what `longtake render --weights` takes (docs/wan.md)",
+    )
+
+    def model_weights(self, name: str | None) -> Path | None:
+        """The weights directory of model ``name`` (None: ``checkpoint``, the preset's default);
+        raises ``InvalidInputError(field="model")`` for a name this deployment does not configure."""
+        if name is None:
+            return self.checkpoint
+        if name not in self.models:
+            from pipeline.errors import InvalidInputError
+
+            raise InvalidInputError(f"model: {name!r} is not configured on this worker; configured: "
+                                    f"{sorted(self.models)} (LONGTAKE_MODELS)", field="model")
+        return self.models[name]
 
 
 def _redacted(value: str) -> str:

@@ -21,12 +21,14 @@ the worker checks the root again before it reads anything (:func:`resolve_file_u
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 from urllib.parse import unquote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from pipeline.errors import InvalidInputError
 from pipeline.families import DEFAULT_FAMILY, FAMILIES
 from pipeline.request import MAX_TEXT_CHARS
 
@@ -40,12 +42,18 @@ _PRESET_RE = re.compile(r"^[a-z0-9][a-z0-9._\-]{0,31}$")
 
 FILE_ROOT_KEY = "file_root"
 """Validation-context key: the directory ``file://`` inputs must lie under (None: no file:// at all)."""
+MODELS_KEY = "models"
+"""Validation-context key: the model names a spec may request (``Settings.models``)."""
 
 
-def spec_context(file_root: Path | str | None) -> dict[str, Path | None]:
+def spec_context(file_root: Path | str | None, models: Iterable[str] | None = None) -> dict[str, object]:
     """The context the API passes to ``JobSpec.model_validate`` so ``file://`` URIs are checked
-    against the operator's allowed root (``Settings.file_root``)."""
-    return {FILE_ROOT_KEY: Path(file_root).resolve() if file_root is not None else None}
+    against the operator's allowed root (``Settings.file_root``) and ``model`` against the
+    operator's model names (``Settings.models``; None: the name's form only)."""
+    context: dict[str, object] = {FILE_ROOT_KEY: Path(file_root).resolve() if file_root is not None else None}
+    if models is not None:
+        context[MODELS_KEY] = sorted(models)
+    return context
 
 
 def _check_no_traversal(field: str, uri: str, path: str) -> None:
@@ -79,8 +87,8 @@ def resolve_file_uri(uri: str, file_root: Path | None, *, field: str = "input") 
     resolved = Path(path).resolve()
     if resolved != root and root not in resolved.parents:
         raise ValueError(
-            f"{field}: {uri!r} resolves outside the allowed root {str(root)!r}; "
-            f"put the file under {str(root)!r} or upload it"
+            f"{field}: {uri!r} resolves outside the allowed root for file:// inputs "
+            "(LONGTAKE_FILE_ROOT, set by the operator); put the file under it or upload it"
         )
     return resolved
 
@@ -126,7 +134,7 @@ def _validate_input_uri(field: str, value: str, info: ValidationInfo) -> str:
 class KvsPreviewSpec(BaseModel):
     """A live preview into an AWS Kinesis Video Streams stream (the stream must already exist)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     stream_name: str = Field(description="KVS stream name (1-256 of A-Z a-z 0-9 _ . -)")
     region: str = Field(description="AWS region of the stream, e.g. us-east-1")
@@ -151,7 +159,7 @@ class KvsPreviewSpec(BaseModel):
 class PreviewSpec(BaseModel):
     """Watching a render while it runs."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     hls: bool = Field(
         default=True, description="Keep an HLS EVENT playlist updated as fragments are uploaded"
@@ -162,7 +170,7 @@ class PreviewSpec(BaseModel):
 class OutputSpec(BaseModel):
     """What the finished job leaves in object storage."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     container: Literal["mp4"] = Field(default="mp4", description="Final file format (fragmented MP4)")
     keep_segments: bool = Field(
@@ -173,7 +181,7 @@ class OutputSpec(BaseModel):
 class JobSpec(BaseModel):
     """One render request. Frozen; unknown fields are an error (``extra="forbid"``)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     image: str = Field(
         description="Reference image URI: s3://, file:// (under the allowed root) or upload://"
@@ -189,6 +197,10 @@ class JobSpec(BaseModel):
         default=DEFAULT_FAMILY, description="Model family, a name registered in pipeline.families (e.g. 'tiny')"
     )
     preset: str = Field(default="tiny", description="Model preset name of the family (e.g. 'tiny')")
+    model: str | None = Field(
+        default=None,
+        description="Weights by name, one the operator configured (LONGTAKE_MODELS); None = the preset's default",
+    )
     priority: int = Field(default=5, ge=0, le=9, description="Queue priority 0 (lowest) to 9 (highest)")
     idempotency_key: str | None = Field(
         default=None, description="Client key; a second submission with the same key returns the first job"
@@ -224,11 +236,28 @@ class JobSpec(BaseModel):
 
     @field_validator("preset")
     @classmethod
-    def _preset(cls, v: str) -> str:
+    def _preset(cls, v: str, info: ValidationInfo) -> str:
         if not _PRESET_RE.match(v):
             raise ValueError(
                 f"preset: {v!r} is not a preset name; use lowercase letters, digits, '.', '_' or '-' (e.g. 'tiny')"
             )
+        family = info.data.get("family")
+        if family is not None:  # None: the family itself was refused, and says so
+            try:
+                FAMILIES.get(family).preset(v)  # torch-free: presets are plain descriptions
+            except InvalidInputError as exc:
+                raise ValueError(f"preset: {exc}; pick a preset of family {family!r}") from exc
+        return v
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: str | None, info: ValidationInfo) -> str | None:
+        # weights are chosen by name from the operator's allow-list, never by a path in the request
+        if v is None:
+            return None
+        allowed = (info.context or {}).get(MODELS_KEY)
+        if not _PRESET_RE.match(v) or (allowed is not None and v not in allowed):
+            raise ValueError(f"model: {v!r} is not a model this service offers; use one of {list(allowed or [])}")
         return v
 
     @field_validator("idempotency_key")

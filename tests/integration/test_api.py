@@ -26,7 +26,7 @@ import uvicorn
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine
 
-from tests.integration import kvs_standin
+from tests.integration import api_media, kvs_standin
 from tests.integration.s3_fixtures import MotoServer
 from worker.api import uploads as api_module
 from worker.api.app import create_app
@@ -138,6 +138,10 @@ def api(pg_engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         file_root=file_root,
         api_tokens={TOKEN_A: "tenant-a", TOKEN_B: "tenant-b"},
         upload_max_bytes=64 * 1024,
+        input_grants={"*": ["s3://inputs-bucket/"], "tenant-a": ["s3://assets-a/faces/"]},
+        max_audio_s=10.0,
+        api_rate_per_s=1000.0,
+        api_rate_burst=1000,
     )
     objects = LocalObjectStore(base / "objects")
     app = create_app(settings, engine=pg_engine, objects=objects, celery=create_celery_app(settings))
@@ -340,7 +344,7 @@ def test_another_tenants_job_is_404_exactly_like_a_missing_one(api: Api) -> None
 
 def test_upload_of_another_tenant_cannot_be_referenced(api: Api) -> None:
     with api.client(TOKEN_B) as b:
-        resp = b._req("POST", "/v1/uploads", files={"file": ("a.png", b"\x89PNG..", "image/png")})
+        resp = b._req("POST", "/v1/uploads", files={"file": ("a.png", api_media.png(), "image/png")})
     uri = resp.json()["uri"]
     assert api.objects.exists(upload_key("tenant-b", uri.removeprefix("upload://")))
     with api.client(TOKEN_A) as a, pytest.raises(LongtakeAPIError) as exc:
@@ -354,8 +358,8 @@ def test_upload_of_another_tenant_cannot_be_referenced(api: Api) -> None:
 
 def test_multipart_submit_stores_uploads_under_the_tenant_and_queues(api: Api, tmp_path: Path) -> None:
     image, audio = tmp_path / "face.png", tmp_path / "speech.wav"
-    image.write_bytes(b"\x89PNG fake image bytes")
-    audio.write_bytes(b"RIFF fake audio bytes")
+    image.write_bytes(api_media.png())
+    audio.write_bytes(api_media.wav())
     with api.client() as c:
         job = c.submit({"text": "studio", "seed": 3}, image=image, audio=audio)
     assert str(job.spec["image"]).startswith("upload://") and str(job.spec["audio"]).startswith("upload://")
@@ -370,7 +374,7 @@ def test_large_upload_is_streamed_as_a_multipart_object(
 ) -> None:
     monkeypatch.setattr(api_module, "UPLOAD_PART_BYTES", 16 * 1024)  # 40 KiB -> parts of 16+16+8 KiB
     audio = tmp_path / "speech.wav"
-    audio.write_bytes(bytes(range(256)) * 160)
+    audio.write_bytes(api_media.wav(seconds=5.0))  # 40 kB
     with api.client() as c:
         job = c.submit({"image": "s3://inputs-bucket/a.png"}, audio=audio)
     key = upload_key("tenant-a", str(job.spec["audio"]).removeprefix("upload://"))
@@ -390,7 +394,7 @@ def test_multipart_with_a_bad_spec_stores_and_queues_nothing(api: Api, tmp_path:
 
 def test_multipart_over_the_size_limit_is_413(api: Api, tmp_path: Path) -> None:
     image = tmp_path / "big.png"
-    image.write_bytes(b"0" * (64 * 1024 + 1))
+    image.write_bytes(api_media.png(160, 160)[:8] + b"0" * (64 * 1024 + 1))
     with api.client() as c, pytest.raises(LongtakeAPIError) as exc:
         c.submit({"audio": "s3://inputs-bucket/a.wav"}, image=image)
     assert exc.value.status_code == 413 and "LONGTAKE_UPLOAD_MAX_BYTES" in exc.value.message

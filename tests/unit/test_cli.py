@@ -261,6 +261,7 @@ def test_up_then_submit_wait_fetch_on_embedded_defaults(
     sys.path.insert(0, str(ROOT / "tests" / "integration"))
     import fake_pipeline
     from jobs_harness import settings_from_env
+    from PIL import Image
 
     home = tmp_path / "home"
     port = _free_port()
@@ -294,9 +295,9 @@ def test_up_then_submit_wait_fetch_on_embedded_defaults(
         )
         token = (home / "token").read_text().strip()
         image = tmp_path / "face.png"
-        image.write_bytes(b"\x89PNG not really")
-        audio = tmp_path / "plan.json"
-        fake_pipeline.write_plan(audio, num_fragments=4, sleep_s=0.3)
+        Image.new("RGB", (96, 96), (90, 60, 40)).save(image)  # the API probes uploads at submit
+        audio = tmp_path / "plan.wav"
+        fake_pipeline.write_plan(audio, num_fragments=4, sleep_s=0.3, as_wav=True)
         conn = ["--api", url, "--token", token]
         capsys.readouterr()
         assert cli.main(["submit", "--image", str(image), "--audio", str(audio), "--seed", "5", *conn]) == 0

@@ -26,10 +26,12 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.engine import Engine
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from worker.api import health, jobs, preview, uploads
 from worker.api.auth import PreviewSigner, TokenAuth
 from worker.api.deps import ApiError, ApiMetrics, Deps
+from worker.api.gate import BodyTooLargeError, RequestGate
 from worker.delivery.object_store import ObjectStore
 from worker.delivery.storage import open_object_store
 from worker.jobs.db import make_engine
@@ -80,6 +82,7 @@ def create_app(
         "`Authorization: Bearer <token>`; each token belongs to one tenant, which sees only its own jobs.",
     )
     app.state.deps = deps
+    app.add_middleware(RequestGate, deps=deps)  # inside _count (added next): refusals are counted too
     _install_handlers(app, deps)
     for router in (jobs.router, uploads.router, preview.router, health.router):
         app.include_router(router)
@@ -97,6 +100,25 @@ def _install_handlers(app: FastAPI, deps: Deps) -> None:
         if exc.errors:
             body["errors"] = exc.errors
         return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(BodyTooLargeError)
+    async def _too_large(_request: Request, exc: BodyTooLargeError) -> JSONResponse:
+        error = {"field": "(body)", "message": exc.message}
+        return JSONResponse({"error": "request_too_large", "message": exc.message, "errors": [error]}, 413)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Starlette's own answers (no such route, method not allowed) in the API's error format.
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+        if exc.status_code == 400:  # the form parser refused the body (malformed, too many parts)
+            field, message = "(body)", f"(body): {exc.detail}; send a well-formed multipart/form-data body"
+        else:
+            field = "(path)"
+            message = f"(path): {request.method} {request.url.path[:200]}: {exc.detail}; see /docs for the routes"
+        error = {"field": field, "message": message}
+        return JSONResponse(
+            {"error": code, "message": message, "errors": [error]}, exc.status_code, headers=exc.headers
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -42,6 +42,7 @@ from pipeline.errors import InvalidInputError, RenderError
 from pipeline.media_types import Fragment
 from pipeline.placement.render_job import RankRenderRequest
 from pipeline.request import Renderer, RenderProgress, RenderRequest
+from worker.access import InputGrants, InputRefusedError
 from worker.delivery.job_delivery import DeliveryFactory, JobDelivery, s3_delivery
 from worker.delivery.keys import upload_key
 from worker.delivery.segment import SegmentRecord
@@ -254,7 +255,7 @@ class JobWorker:
             seed=rec.spec.seed,
             family=rec.spec.family,
             preset=rec.spec.preset,
-            checkpoint=s.checkpoint,
+            checkpoint=s.model_weights(rec.spec.model),
         )
         job = RenderJob(
             job_id=rec.id,
@@ -342,7 +343,13 @@ class JobWorker:
         return delivery.load_state(with_state[-1].state_key)  # type: ignore[arg-type]
 
     def _fetch(self, rec: JobRecord, uri: str, field: str, workdir: Path) -> Path:
-        """A local path for an input URI (downloads s3:// and upload:// into ``workdir``)."""
+        """A local path for an input URI (downloads s3:// and upload:// into ``workdir``), after the
+        same grant check the API made at submit (:class:`worker.access.InputGrants`): this worker's
+        credentials must not read for the job's tenant what the tenant may not name."""
+        try:
+            InputGrants.from_settings(self.settings).check(rec.tenant, field, uri)
+        except InputRefusedError as exc:
+            raise InvalidInputError(exc.message, field=field) from exc
         parts = urlsplit(uri)
         if parts.scheme == "file":
             try:

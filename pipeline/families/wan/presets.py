@@ -14,7 +14,8 @@ and where they come from:
   (``wan/utils/multitalk_utils.py``, key = height / width); the reference picks the bucket whose ratio
   is closest to its own, as upstream does, and is centre-cropped and resized to it.
 * ``14b`` / ``1.3b`` (+ ``-720p``): random-init shapes for speed and memory measurement (no release).
-* ``tiny``: the tiny release of ``models.wan.tiny_release`` (CPU tests), 32-pixel buckets.
+* ``tiny``: the tiny release of ``models.wan.tiny_release`` (CPU tests), 32-pixel buckets; ``tiny-128``:
+  the same release at one 128×128 bucket (``bench.peer``).
 """
 
 from __future__ import annotations
@@ -107,6 +108,10 @@ PRESETS: dict[str, WanPreset] = {
                   audio_guidance=4.0, chunk_frames=4, context_frames=1, interp_frames=2, dtype="float32",
                   audio_context=4,
                   shapes=TINY_SHAPES),
+        # the same tiny release at one 128x128 bucket (bench.peer: frames large enough for length to matter)
+        WanPreset("tiny-128", "infinitetalk", "tiny", ((1.00, 128, 128),), num_steps=2, shift=5.0,
+                  text_guidance=5.0, audio_guidance=4.0, chunk_frames=4, context_frames=1, interp_frames=2,
+                  dtype="float32", audio_context=4, shapes=TINY_SHAPES),
     )
 }
 
