@@ -64,6 +64,14 @@ class Settings(BaseSettings):
     db_retry_max_wait_s: float = Field(
         default=4.0, gt=0, le=60, description="Longest back-off between two tries of one DB operation"
     )
+    db_outage_max_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="How long a worker's DB operations keep retrying a lost database (its render goes on, "
+        "segments spool to disk and are committed once it is back; the reapers hold off meanwhile). "
+        "Past this the attempt stops as if its lease were lost and the job resumes after its last "
+        "committed segment",
+    )
     object_store_url: str = Field(
         default="file://.longtake/objects",
         description="Where outputs go: s3://bucket/prefix or file:///abs/dir (a relative file:// path is "
@@ -104,11 +112,26 @@ class Settings(BaseSettings):
     broker_retry_max_s: float = Field(
         default=300.0, gt=0, description="How long the worker keeps retrying a lost broker connection"
     )
+    republish_after_s: float = Field(
+        default=15.0,
+        gt=0,
+        description="The outbox sweeper (every reaper_interval_s, in each worker) republishes a queued "
+        "job whose message was sent more than this long ago and is no longer in the broker (lost to "
+        "a Redis restart or a dead worker); a job never published (broker down at submit) is sent on "
+        "the next pass. A lost message is re-sent within republish_after_s + reaper_interval_s",
+    )
 
     # --- leases -------------------------------------------------------------------------------
-    lease_s: float = Field(default=60.0, gt=0, description="A claim is valid this long unless heartbeated")
+    lease_s: float = Field(
+        default=20.0,
+        gt=0,
+        description="A claim is valid this long unless heartbeated. With reaper_interval_s it states how "
+        "long a dead worker's job waits: death -> another worker resumes it within lease_s + "
+        "reaper_interval_s (25 s by default; plus the claim and input fetch). A database outage does "
+        "not count against it (see db_outage_max_s)",
+    )
     heartbeat_s: float = Field(
-        default=10.0, gt=0, description="Interval between lease heartbeats (< lease_s / 2)"
+        default=5.0, gt=0, description="Interval between lease heartbeats (< lease_s / 2)"
     )
     max_attempts: int = Field(
         default=3, ge=1, le=100, description="Claims per job before it is failed for good"
@@ -122,7 +145,7 @@ class Settings(BaseSettings):
         "N-1 segments, which reproduce the committed bytes and are not uploaded again",
     )
     reaper_interval_s: float = Field(
-        default=15.0,
+        default=5.0,
         gt=0,
         description="How often each worker's reaper thread requeues expired leases (0 = off)",
     )
@@ -197,42 +220,13 @@ class Settings(BaseSettings):
         default=3600, gt=0, le=7 * 86400, description="Lifetime of presigned output URLs"
     )
     upload_max_bytes: int = Field(default=512 * 1024 * 1024, gt=0, description="Largest accepted upload")
-
-    # --- preview page (worker/api/preview.py) -----------------------------------------------------
-    preview_segments: Literal["auto", "api", "presigned"] = Field(
-        default="auto",
-        description="Where the preview playlist points players for init/segments: 'api' = the API "
-        "serves them (signed links, same origin as the preview page: no bucket CORS needed); "
-        "'presigned' = presigned object-store URLs (S3 serves the bytes; the bucket needs a CORS rule "
-        "allowing GET from the page's origin); 'auto' = 'api' for a file:// store (players refuse "
-        "file:// URLs), else 'presigned'",
+    api_db_retry_attempts: int = Field(
+        default=4,
+        ge=1,
+        le=100,
+        description="Tries of one database operation in the API before it answers 503 with "
+        "Retry-After (about 1 s with 4; the workers retry far longer: db_outage_max_s)",
     )
-
-    # --- API clients (the `longtake submit/status/wait/fetch/cancel/preview` commands) -------------
-    api_url: str | None = Field(
-        default=None,
-        description="Base URL the client commands talk to, e.g. http://127.0.0.1:8000 (`longtake up` "
-        "prints it); None = http://api_host:api_port",
-    )
-    api_token: str | None = Field(
-        default=None,
-        repr=False,
-        description="Bearer token the client commands send (`longtake up` prints it; one of the "
-        "tokens in LONGTAKE_API_TOKENS of the server)",
-    )
-
-    @field_validator("api_tokens", mode="before")
-    @classmethod
-    def _parse_api_tokens(cls, value: object) -> object:
-        """LONGTAKE_API_TOKENS as a JSON object or as ``tenant:token,...``; other types pass through
-        to pydantic (a dict given in code)."""
-        if not isinstance(value, str):
-            return value
-        return parse_api_tokens_env(value)
-
-    def client_api_url(self) -> str:
-        """Where the client commands send requests: ``api_url``, else the API's own bind address."""
-        return self.api_url or f"http://{self.api_host}:{self.api_port}"
 
     # --- API hardening: input grants, request bounds, rate limits, media checks, quotas -----------
     input_grants: dict[str, list[str]] = Field(
@@ -282,6 +276,42 @@ class Settings(BaseSettings):
                         "s3://bucket/ or s3://bucket/prefix/ (ending in '/', no '..')"
                     )
         return value
+
+    # --- preview page (worker/api/preview.py) -----------------------------------------------------
+    preview_segments: Literal["auto", "api", "presigned"] = Field(
+        default="auto",
+        description="Where the preview playlist points players for init/segments: 'api' = the API "
+        "serves them (signed links, same origin as the preview page: no bucket CORS needed); "
+        "'presigned' = presigned object-store URLs (S3 serves the bytes; the bucket needs a CORS rule "
+        "allowing GET from the page's origin); 'auto' = 'api' for a file:// store (players refuse "
+        "file:// URLs), else 'presigned'",
+    )
+
+    # --- API clients (the `longtake submit/status/wait/fetch/cancel/preview` commands) -------------
+    api_url: str | None = Field(
+        default=None,
+        description="Base URL the client commands talk to, e.g. http://127.0.0.1:8000 (`longtake up` "
+        "prints it); None = http://api_host:api_port",
+    )
+    api_token: str | None = Field(
+        default=None,
+        repr=False,
+        description="Bearer token the client commands send (`longtake up` prints it; one of the "
+        "tokens in LONGTAKE_API_TOKENS of the server)",
+    )
+
+    @field_validator("api_tokens", mode="before")
+    @classmethod
+    def _parse_api_tokens(cls, value: object) -> object:
+        """LONGTAKE_API_TOKENS as a JSON object or as ``tenant:token,...``; other types pass through
+        to pydantic (a dict given in code)."""
+        if not isinstance(value, str):
+            return value
+        return parse_api_tokens_env(value)
+
+    def client_api_url(self) -> str:
+        """Where the client commands send requests: ``api_url``, else the API's own bind address."""
+        return self.api_url or f"http://{self.api_host}:{self.api_port}"
 
     def resolved_node_device(self) -> str:
         """``node_device`` with ``auto`` decided from the driver's GPU list (no CUDA call here: the

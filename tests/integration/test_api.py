@@ -674,7 +674,9 @@ def test_healthz_503_when_broker_or_database_is_down(pg_engine: Engine, tmp_path
             server.should_exit = True
             thread.join(timeout=10)
         assert resp.status_code == 503, resp.text
-        assert resp.json()[broken].startswith("error") and resp.json()["status"] == "unavailable"
+        assert resp.json()[broken] == "unavailable" and resp.json()["status"] == "unavailable"
+        assert str(dead_port) not in resp.text and "127.0.0.1" not in resp.text  # no host, port, error text
+        assert resp.headers["retry-after"] == "5"
 
 
 def test_openapi_documents_the_job_spec_and_routes(api: Api) -> None:
