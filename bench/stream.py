@@ -3,17 +3,24 @@
     python -m bench.stream --preset tiny --seconds 10 --mode streaming --json
 
 Prints one JSON object: ttff_s, frames, video_s, wall_s, realtime_factor (video seconds per wall
-second), peak_rss_bytes, stage_s, model_s (per model and total), encode_s and overhead_ratio
+second), peak_rss_bytes, rss_per_minute_mb (the highest RSS sampled in each minute of video, one
+sample per emission), rss_slope_mb_per_10min (least-squares slope of those maxima, first minute left
+out: the warm-up), stage_s, model_s (per model and total), encode_s and overhead_ratio
 (wall / (model + encode); below 1 where lanes overlap). Run each mode in its own process (peak RSS
 is a process high-water mark); ``--compare`` does that for both modes side by side and prints the
 ratios. ``--no-overlap`` runs SR + decode on the render loop instead of the emission lane (the
-sequential loop, to measure what the overlap buys).
+sequential loop, to measure what the overlap buys). The input WAV is written block by block
+(``bench.inputs.speech_wav``), so an hour of input does not show in the renderer's peak RSS.
+
+A long run (the soak): ``python -m bench.stream --seconds 3600 --json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -22,6 +29,17 @@ from pathlib import Path
 import torch
 
 from bench.inputs import DEMO_IMAGE, speech_wav
+from bench.memprofile import slope_per_10min
+
+
+def current_rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def process_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def run_once(preset: str, seconds: float, mode: str, threads: int | None, image: Path | None,
@@ -29,10 +47,11 @@ def run_once(preset: str, seconds: float, mode: str, threads: int | None, image:
     from pipeline.families import FAMILIES
     from pipeline.family_runtime import WARM_FAMILIES
     from pipeline.host import default_threads
-    from pipeline.render import RenderRequest, render
+    from pipeline.render import RenderProgress, RenderRequest, render
     from pipeline.sinks import FileSink
 
     torch.set_num_threads(threads or default_threads())
+    cpu0 = process_cpu_s()
     with tempfile.TemporaryDirectory(prefix="longtake-bench-") as tmp:
         audio = speech_wav(Path(tmp) / "speech.wav", seconds, seed=seed)
         out = Path(tmp) / "out.mp4"
@@ -40,7 +59,14 @@ def run_once(preset: str, seconds: float, mode: str, threads: int | None, image:
                                 checkpoint=checkpoint)
         family = WARM_FAMILIES.get(FAMILIES.get(request.family), preset, checkpoint)
         family.overlap_emissions = overlap
-        r = render(request, [FileSink(out)], mode=mode, family=family)  # type: ignore[arg-type]
+        per_minute: dict[int, int] = {}
+
+        def sample_rss(p: RenderProgress) -> None:
+            minute = int(p.frames_done / family.preset.fps // 60)
+            per_minute[minute] = max(per_minute.get(minute, 0), current_rss_bytes())
+
+        r = render(request, [FileSink(out)], mode=mode, family=family,  # type: ignore[arg-type]
+                   on_progress=sample_rss)
         out_bytes = out.stat().st_size
     model_total = sum(r.model_s.values())
     return {
@@ -52,9 +78,13 @@ def run_once(preset: str, seconds: float, mode: str, threads: int | None, image:
         "frames": r.num_frames,
         "video_s": r.duration_s,
         "wall_s": r.wall_s,
+        "cpu_s": process_cpu_s() - cpu0,  # every thread's CPU time: steadier than wall on a shared machine
         "realtime_factor": r.duration_s / r.wall_s,
         "fps": r.num_frames / r.wall_s,
         "peak_rss_bytes": r.peak_rss_bytes,
+        "rss_per_minute_mb": [per_minute[m] / 2**20 for m in sorted(per_minute)],
+        "rss_slope_mb_per_10min": slope_per_10min([60.0 * m for m in sorted(per_minute)][1:],
+                                                  [per_minute[m] / 2**20 for m in sorted(per_minute)][1:]),
         "stage_s": r.stage_s,
         "model_s": {**r.model_s, "total": model_total},
         "encode_s": r.encode_s,

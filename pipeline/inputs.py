@@ -6,17 +6,20 @@ Called once per render attempt before any model runs, so a bad input fails fast 
 * :func:`load_reference_image` -> HxWx3 uint8 RGB, centre-cropped to the target aspect, Lanczos-resized.
   Transparency, CMYK and 16-bit channels are rejected with the command that fixes them: each would
   need a guess (which background, which colour profile) that silently changes the person's look.
+  An alpha channel that is fully opaque (alpha 255 everywhere) is no transparency and is dropped.
 * :class:`AudioSource` decodes the audio file once into two mono float32 tracks (model rate for
-  features, output rate for AAC) kept in temporary ``np.memmap`` files, so a multi-hour input costs
-  disk, not RAM. The pipeline reads windows of it per chunk; the encoder reads its fragment's span.
+  features, output rate for AAC) kept in temporary files, so a multi-hour input costs disk, not RAM.
+  The pipeline reads windows of it per chunk, the encoder its fragment's span, both with positioned
+  reads (``os.pread``): nothing of the file is mapped, so none of it counts in the resident set.
 """
 
 from __future__ import annotations
 
 import logging
-import mmap
 import os
+import re
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 from types import TracebackType
@@ -27,6 +30,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from pipeline.errors import InvalidInputError
+from pipeline.sinks import HLS_FAILED_MARKER, HLS_INIT, HLS_PLAYLIST
 
 logger = logging.getLogger(__name__)
 
@@ -123,16 +127,14 @@ def _is_sixteen_bit(im: Image.Image) -> bool:
 def _check_pixel_format(path: Path, im: Image.Image) -> None:
     """Accept 8-bit RGB, grayscale and palette images; reject what we would have to guess about.
 
-    Transparency, CMYK and 16-bit channels are rejected rather than converted: flattening onto a
+    Transparency (checked on the pixels by :func:`_to_rgb`: a fully opaque alpha channel is
+    accepted), CMYK and 16-bit channels are rejected rather than converted: flattening onto a
     background we pick, converting CMYK without the printer's colour profile, or dropping bits all
     change the person's appearance silently, and identity is what the product is about.
     """
     mode = im.mode
-    if mode in ("RGBA", "LA", "RGBa", "La", "PA") or (mode == "P" and "transparency" in im.info):
-        raise _image_error(
-            path, f"has an alpha channel (mode {mode})",
-            "flatten it onto the opaque background you want and save it as RGB, e.g. "
-            "`convert IMAGE -background white -alpha remove -alpha off OUT.png`")
+    if mode in ("RGBa", "La"):  # premultiplied alpha: only ever transparent data
+        raise _transparency_error(path, mode)
     if mode == "CMYK":
         raise _image_error(
             path, "is CMYK (print colours)",
@@ -143,7 +145,30 @@ def _check_pixel_format(path: Path, im: Image.Image) -> None:
             "save it with 8 bits per channel, e.g. `convert IMAGE -depth 8 OUT.png`")
 
 
+def _has_alpha(im: Image.Image) -> bool:
+    return im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info)
+
+
+def _transparency_error(path: Path, mode: str) -> InvalidInputError:
+    return _image_error(
+        path, f"has transparent pixels (an alpha channel, mode {mode}, below fully opaque)",
+        "flatten it onto the opaque background you want and save it as RGB, e.g. "
+        "`convert IMAGE -background white -alpha remove -alpha off OUT.png`")
+
+
+def _drop_opaque_alpha(path: Path, im: Image.Image) -> Image.Image:
+    """An image with an alpha channel that is fully opaque everywhere (most screenshots and exports)
+    as its colour channels; any pixel below alpha 255 is refused (which background would we pick?).
+    Called by :func:`_to_rgb` after the pixels are loaded."""
+    rgba = im.convert("RGBA") if im.mode in ("P", "PA") else im
+    if int(np.asarray(rgba.getchannel("A")).min()) < 255:
+        raise _transparency_error(path, im.mode)
+    return rgba.convert("RGB") if rgba.mode == "RGBA" else rgba.convert("L")
+
+
 def _to_rgb(path: Path, im: Image.Image) -> Image.Image:
+    if _has_alpha(im):
+        im = _drop_opaque_alpha(path, im)
     mode = im.mode
     if mode == "F":
         raise _image_error(path, "is a floating-point image (mode F) with no defined range")
@@ -166,13 +191,17 @@ class AudioSource:
     """The driving audio, decoded once, mono float32 at two rates, on disk.
 
     Created by the worker/CLI with :meth:`open` before the render, read by the audio-feature stage
-    (``model_rate``) and the encoder (``output_rate``), closed after the render. :meth:`read` returns
-    copies, so callers never hold the memmap. On POSIX the temp files are unlinked as soon as they are
-    mapped: the disk space lives exactly as long as the mapping, and a killed worker leaks nothing.
-    Elsewhere they are deleted by :meth:`close`.
+    (``model_rate``) and the encoder (``output_rate``), from two threads, closed after the render.
+    :meth:`read` returns new arrays read with ``os.pread`` from the open files: the tracks are never
+    memory-mapped, because file-backed pages a process touched stay in its resident set — with a
+    mapping (and ``madvise(DONTNEED)`` of each window read) the kernel's fault-around mapped the
+    neighbouring, already-read pages back in, and RSS grew by ~48 MB per 10 minutes of video
+    (docs/benchmarks.md, "Memory as users run it"). On POSIX the temp files are unlinked as soon as
+    they are opened: the disk space lives exactly as long as the descriptors, and a killed worker
+    leaks nothing. Elsewhere they are deleted by :meth:`close`.
     """
 
-    def __init__(self, path: Path, tracks: dict[int, np.memmap], files: list[Path]) -> None:
+    def __init__(self, path: Path, tracks: dict[int, _Track], files: list[Path]) -> None:
         self.path = path
         self._tracks = tracks
         self._files = files
@@ -181,14 +210,12 @@ class AudioSource:
     @classmethod
     def open(cls, path: Path, model_rate: int = 16000, output_rate: int = 48000) -> AudioSource:
         path = Path(path)
-        if not path.exists():
-            raise _audio_error(path, "does not exist", "check the path")
-        if path.is_dir():
-            raise _audio_error(path, "is a directory, not an audio file", "pass the audio file inside it")
+        _check_audio_path(path)
         rates = sorted({model_rate, output_rate})
         tmpdir = Path(tempfile.gettempdir())
         files: list[Path] = []
         writers: dict[int, BinaryIO] = {}
+        tracks: dict[int, _Track] = {}
         try:
             for rate in rates:
                 fd, name = tempfile.mkstemp(prefix=f"longtake-audio-{rate}-", suffix=".f32", dir=tmpdir)
@@ -197,14 +224,13 @@ class AudioSource:
             _decode_into(path, writers)
             for f in writers.values():
                 f.close()
-            tracks: dict[int, np.memmap] = {}
             for rate, file in zip(rates, files, strict=True):
                 n = file.stat().st_size // 4
                 if n == 0:
                     raise _audio_error(
                         path, "contains no audio samples (zero length)", "use a non-empty recording"
                     )
-                tracks[rate] = np.memmap(file, dtype=np.float32, mode="r", shape=(n,))
+                tracks[rate] = _Track(file, n)
             if os.name == "posix":
                 for file in files:
                     file.unlink()
@@ -212,6 +238,8 @@ class AudioSource:
         except BaseException:
             for f in writers.values():
                 f.close()
+            for track in tracks.values():
+                track.close()
             for file in files:
                 file.unlink(missing_ok=True)
             raise
@@ -220,7 +248,7 @@ class AudioSource:
         return source
 
     def num_samples(self, rate: int) -> int:
-        return int(self._track(rate).shape[0])
+        return self._track(rate).num_samples
 
     @property
     def duration_s(self) -> float:
@@ -233,16 +261,17 @@ class AudioSource:
         if stop < start:
             raise ValueError(f"read(start={start}, stop={stop}): stop must be >= start")
         out = np.zeros(stop - start, dtype=np.float32)
-        lo, hi = max(start, 0), min(stop, track.shape[0])
+        lo, hi = max(start, 0), min(stop, track.num_samples)
         if hi > lo:
-            out[lo - start : hi - start] = track[lo:hi]
-            _drop_resident(track, lo, hi)
+            track.read_into(out[lo - start : hi - start], lo)
         return out
 
     def close(self) -> None:
-        """Release the mappings (and with them the disk space). Idempotent."""
+        """Close the files (and with them free the disk space). Idempotent."""
         self._closed = True
-        self._tracks.clear()  # drop the memmaps before unlinking (Windows would refuse otherwise)
+        for track in self._tracks.values():
+            track.close()
+        self._tracks.clear()  # closed before unlinking (Windows would refuse otherwise)
         for file in self._files:
             file.unlink(missing_ok=True)
         self._files = []
@@ -255,7 +284,7 @@ class AudioSource:
     ) -> None:
         self.close()
 
-    def _track(self, rate: int) -> np.memmap:
+    def _track(self, rate: int) -> _Track:
         if self._closed:
             raise ValueError(f"AudioSource({str(self.path)!r}) is closed")
         if rate not in self._tracks:
@@ -263,32 +292,81 @@ class AudioSource:
         return self._tracks[rate]
 
 
-def _drop_resident(track: np.memmap, lo: int, hi: int) -> None:
-    """Give the mapped pages of ``[lo, hi)`` back: file-backed pages stay in this process's resident
-    set once touched, so an hour of audio read chunk by chunk would grow RSS by ~900 MB. Reading
-    them again just faults them in from the page cache."""
-    mm = getattr(track, "_mmap", None)
-    if mm is None or not hasattr(mm, "madvise"):
-        return
-    page = mmap.PAGESIZE
-    first = (lo * 4 + getattr(track, "offset", 0)) // page * page
-    last = -(-(hi * 4 + getattr(track, "offset", 0)) // page) * page
+class _Track:
+    """One decoded track: an open file of float32 samples, read at positions (thread-safe)."""
+
+    def __init__(self, file: Path, num_samples: int) -> None:
+        self.num_samples = num_samples
+        self._file = open(file, "rb", buffering=0)  # noqa: SIM115 - held open for the render
+        self._lock = threading.Lock()  # only where there is no os.pread (one shared file offset)
+
+    def read_into(self, out: np.ndarray, first: int) -> None:
+        view = out.data.cast("B")  # out: a contiguous float32 slice of the result
+        offset, done = first * 4, 0
+        while done < len(view):
+            if hasattr(os, "preadv"):
+                n = os.preadv(self._file.fileno(), [view[done:]], offset + done)
+            else:  # pragma: no cover - not POSIX
+                with self._lock:
+                    self._file.seek(offset + done)
+                    n = self._file.readinto(view[done:]) or 0
+            if n <= 0:
+                raise OSError(f"decoded audio file ended at byte {offset + done}, expected {offset + len(view)}")
+            done += n
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _check_audio_path(path: Path) -> None:
+    if not path.exists():
+        raise _audio_error(path, "does not exist", "check the path")
+    if path.is_dir():
+        raise _audio_error(path, "is a directory, not an audio file", "pass the audio file inside it")
+
+
+def _ffmpeg_reason(e: BaseException) -> str:
+    """FFmpeg's own words for ``e`` without PyAV's "[Errno 1094995529]" (an AVERROR code) or the
+    repeated file name: e.g. "Invalid data found when processing input"."""
+    text = getattr(e, "strerror", None) or str(e)
+    return re.sub(r"^\[Errno -?\d+\]\s*", "", str(text)).split(": '")[0].strip()
+
+
+def _open_audio(path: Path) -> av.container.InputContainer:
+    """``av.open`` of ``path`` with its first audio stream checked; the caller closes it."""
     try:
-        mm.madvise(mmap.MADV_DONTNEED, first, min(last, len(mm)) - first)
-    except (OSError, ValueError):  # not fatal: only memory accounting is at stake
-        pass
+        container = av.open(str(path), mode="r")
+    except (av.FFmpegError, UnicodeDecodeError) as e:
+        raise _audio_error(path, f"is not a readable audio file ({_ffmpeg_reason(e)})", _AUDIO_FIX) from e
+    if not container.streams.audio:
+        kind = "is a video without an audio track" if container.streams.video else "has no audio stream"
+        container.close()
+        raise _audio_error(path, kind, _AUDIO_FIX)
+    return container
+
+
+def probe_audio(path: Path) -> int:
+    """Check the audio at ``path`` from its header and first decoded samples, without decoding the
+    rest: what ``longtake render`` runs before importing torch, so a bad file fails in a blink.
+    Returns the channel count (the render downmixes to mono; the CLI says so). Raises the
+    :class:`InvalidInputError` that :meth:`AudioSource.open` would."""
+    path = Path(path)
+    _check_audio_path(path)
+    with _open_audio(path) as container:
+        stream = container.streams.audio[0]
+        try:
+            for frame in container.decode(stream):
+                if frame.samples:
+                    return int(stream.codec_context.channels or len(frame.layout.channels))
+        except av.FFmpegError as e:
+            raise _audio_error(path, f"is corrupt: decoding failed ({_ffmpeg_reason(e)})",
+                               "re-export the audio") from e
+    raise _audio_error(path, "contains no audio samples (zero length)", "use a non-empty recording")
 
 
 def _decode_into(path: Path, writers: dict[int, BinaryIO]) -> None:
     """Decode the first audio stream of ``path``, resample to mono float32 per rate, append to files."""
-    try:
-        container = av.open(str(path), mode="r")
-    except (av.FFmpegError, UnicodeDecodeError) as e:
-        raise _audio_error(path, f"is not a readable audio file ({e})", _AUDIO_FIX) from e
-    with container:
-        if not container.streams.audio:
-            kind = "is a video without an audio track" if container.streams.video else "has no audio stream"
-            raise _audio_error(path, kind, _AUDIO_FIX)
+    with _open_audio(path) as container:
         stream = container.streams.audio[0]
         resamplers = {rate: av.AudioResampler(format="flt", layout="mono", rate=rate) for rate in writers}
         try:
@@ -299,7 +377,8 @@ def _decode_into(path: Path, writers: dict[int, BinaryIO]) -> None:
             for rate, resampler in resamplers.items():
                 _write(writers[rate], resampler.resample(None))
         except av.FFmpegError as e:
-            raise _audio_error(path, f"is corrupt: decoding failed ({e})", "re-export the audio") from e
+            raise _audio_error(path, f"is corrupt: decoding failed ({_ffmpeg_reason(e)})",
+                               "re-export the audio") from e
 
 
 def _write(f: BinaryIO, frames: list[av.AudioFrame]) -> None:
@@ -310,8 +389,13 @@ def _write(f: BinaryIO, frames: list[av.AudioFrame]) -> None:
 # ------------------------------------------------------------------------------------------ output
 
 
-def validate_output_path(path: Path) -> Path:
-    """Check an ``.mp4`` output path before rendering; creates the parent directory. Returns it absolute."""
+def validate_output_path(path: Path, *, overwrite: bool = False) -> Path:
+    """Check an ``.mp4`` output path before rendering; creates the parent directory. Returns it absolute.
+
+    The one rule for every output (:func:`validate_hls_directory` too): an existing output is
+    refused unless ``overwrite`` (``longtake render --force``); it is replaced only when the new
+    render succeeds (``FileSink`` renames over it).
+    """
     path = Path(path).expanduser()
     if path.is_dir():
         raise InvalidInputError(
@@ -324,23 +408,53 @@ def validate_output_path(path: Path) -> Path:
             f"output {str(path)!r} must end in .mp4 (the file is a fragmented MP4); rename it",
             field="out",
         )
+    if path.exists() and not overwrite:
+        raise InvalidInputError(
+            f"output {str(path)!r} already exists; pass --force to overwrite it (it is replaced only "
+            "when the new render succeeds), or choose another path",
+            field="out",
+        )
     _ensure_writable_dir(path.parent, path)
     return path.resolve()
 
 
-def validate_hls_directory(path: Path) -> Path:
-    """Check an HLS output directory: missing (created) or empty. Returns it absolute."""
+def _is_hls_output(name: str) -> bool:
+    """A file an :class:`~pipeline.sinks.HLSDirectorySink` writes (``--force`` may remove it)."""
+    return name in (HLS_PLAYLIST, HLS_INIT, HLS_FAILED_MARKER) or bool(re.fullmatch(r"seg_\d{5}\.m4s", name))
+
+
+def validate_hls_directory(path: Path, *, overwrite: bool = False) -> Path:
+    """Check an HLS output directory: missing (created), empty, or — with ``overwrite`` — holding an
+    earlier render's playlist and segments, which are removed. Returns it absolute.
+
+    Same rule as :func:`validate_output_path`. Files that are not HLS output are never removed: a
+    directory holding any is refused even with ``overwrite``.
+    """
     path = Path(path).expanduser()
     if path.exists() and not path.is_dir():
         raise InvalidInputError(
             f"HLS output {str(path)!r} is a file; pass a directory path for the playlist and segments",
-            field="out",
+            field="hls",
         )
     _ensure_writable_dir(path, path)
-    if any(path.iterdir()):
+    present = sorted(p.name for p in path.iterdir())
+    if not present:
+        return path.resolve()
+    foreign = [name for name in present if not _is_hls_output(name)]
+    if foreign:
         raise InvalidInputError(
-            f"HLS output directory {str(path)!r} is not empty; pass a new or empty directory", field="out"
+            f"HLS output directory {str(path)!r} holds files that are not HLS output "
+            f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); pass a new or empty directory",
+            field="hls",
         )
+    if not overwrite:
+        raise InvalidInputError(
+            f"HLS output directory {str(path)!r} already holds a render ({len(present)} files); pass "
+            "--force to replace it, or a new or empty directory",
+            field="hls",
+        )
+    for name in present:
+        (path / name).unlink()
     return path.resolve()
 
 

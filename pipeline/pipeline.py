@@ -35,6 +35,7 @@ import torch
 
 from pipeline import ports as P
 from pipeline.errors import CancelledError, PipelineBuildError
+from pipeline.host import release_free_heap
 from pipeline.lane import Lane
 from pipeline.publish import Publisher
 from pipeline.request import RenderProgress
@@ -203,6 +204,8 @@ class Pipeline:
         video = plan.video_frames(emission.frames)  # the last emission is cut at the video's end
         publisher.publish(frames[: len(video)], first_frame=video.start, index=emission.index, is_last=is_last,
                           resume_state=snapshot)
+        del frames, snapshot
+        release_free_heap()  # the emission's activations are free now; keep RSS at live memory
 
     def _emit_batch(self, values: Values, state: RollingState, plan: ChunkPlan, publisher: Publisher,
                     held: list[torch.Tensor]) -> None:

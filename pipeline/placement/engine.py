@@ -22,6 +22,10 @@ Failures:
 * a rank sends something that is not a protocol message (a torn pickle, a foreign object):
   :class:`RankProtocolError` (retryable) with the reader's traceback, at once; the ranks are killed
   (they may still be inside the job) and restart at the next ``run``.
+
+Why one file of ~480 lines: the supervision loop (``run``), the receive/validate step and each
+failure path share the group's state (pipes, sentinels, the cancel event) and one deadline; split,
+every failure path would need that state passed around or re-derived.
 """
 
 from __future__ import annotations
@@ -450,7 +454,7 @@ class NodeEngine:
         out: list[tuple[int, tuple[object, ...]]] = []
         for item in ready:
             if item in by_conn:
-                conn = item  # type: ignore[assignment]
+                conn = item
                 rank = by_conn[conn]
                 try:
                     while conn.poll():
@@ -466,7 +470,7 @@ class NodeEngine:
         for item in ready:
             if item in by_sentinel:
                 when = "while the engine was starting" if job_id is None else f"during job {what}"
-                self._fail_dead(by_sentinel[item], when)  # type: ignore[index]
+                self._fail_dead(by_sentinel[item], when)
         if job_id is None and not out and time.monotonic() >= deadline:
             self._teardown()
             raise ModuleLoadError(

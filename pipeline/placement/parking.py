@@ -230,7 +230,11 @@ class ModelParker:
         self.listener = listener
         self._models: dict[str, ParkedModule] = {}
         # GPU-only: the side stream for host-to-device copies, so they overlap compute.
-        self._stream = torch.cuda.Stream(device=device) if self.is_cuda and self.enabled else None
+        self._stream = (
+            torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]  # torch's stub is untyped
+            if self.is_cuda and self.enabled
+            else None
+        )
 
     def register(
         self,
@@ -344,7 +348,7 @@ class ModelParker:
                 for slot in group.slots:
                     slot.storage.resize_(slot.nbytes)
                     slot.device_bytes().copy_(slot.host, non_blocking=True)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch's stub is untyped
                 event.record(self._stream)
             group.state, group.event = GroupState.RESTORING, event
         self._emit("issue", pm.name, group.index)

@@ -534,7 +534,10 @@ def _playlist_uris(text_: str) -> list[str]:
 def test_preview_hls_and_none(api: Api) -> None:
     with api.client() as c:
         job = c.submit(_spec())
-        assert c.preview(job.id).kind == "none"
+        early = c.preview(job.id)  # before the first segment: the link already, the page waits
+        assert early.kind == "hls" and early.url and early.page_url and "no segment yet" in early.detail
+        waiting = httpx.get(early.url)
+        assert waiting.status_code == 404 and waiting.headers["access-control-allow-origin"] == "*"
         media = _put_preview(api.objects, job_prefix("tenant-a", job.id))
         view = c.preview(job.id)
         assert view.kind == "hls" and view.url and view.expires_s == api.settings.presign_expires_s
@@ -543,8 +546,14 @@ def test_preview_hls_and_none(api: Api) -> None:
         assert resp.status_code == 200 and resp.headers["content-type"].startswith(
             "application/vnd.apple.mpegurl"
         )
+        assert resp.headers["access-control-allow-origin"] == "*"  # a page elsewhere may read it
         uris = _playlist_uris(resp.text)
-        assert [Path(u.removeprefix("file://")).read_bytes() for u in uris] == list(media.values())
+        # a file:// store: the API serves the segments itself (players refuse file:// URLs)
+        assert all(u.startswith(f"{api.url}/v1/jobs/{job.id}/preview/") for u in uris), uris
+        assert [httpx.get(u).content for u in uris] == list(media.values())
+        assert httpx.get(uris[0].replace("sig=", "sig=0")).status_code == 403
+        page = httpx.get(view.page_url or "")
+        assert page.status_code == 200 and "MediaSource" in page.text
         tampered = view.url.replace("sig=", "sig=0")
         assert httpx.get(tampered).status_code == 403
         expired = httpx.get(view.url.split("?")[0], params={"exp": int(time.time()) - 1, "sig": "0" * 64})
@@ -665,7 +674,9 @@ def test_healthz_503_when_broker_or_database_is_down(pg_engine: Engine, tmp_path
             server.should_exit = True
             thread.join(timeout=10)
         assert resp.status_code == 503, resp.text
-        assert resp.json()[broken].startswith("error") and resp.json()["status"] == "unavailable"
+        assert resp.json()[broken] == "unavailable" and resp.json()["status"] == "unavailable"
+        assert str(dead_port) not in resp.text and "127.0.0.1" not in resp.text  # no host, port, error text
+        assert resp.headers["retry-after"] == "5"
 
 
 def test_openapi_documents_the_job_spec_and_routes(api: Api) -> None:

@@ -1,12 +1,11 @@
 """Constant memory: peak RSS of a 4N-chunk render is within 2% of an N-chunk render (streaming),
 while the batch baseline grows. Each render runs in a fresh process (peak RSS is a high-water mark).
 
-The renders run with glibc's malloc thresholds pinned (``MALLOC_MMAP_THRESHOLD_``): by default glibc
-raises its mmap threshold whenever a large block is freed, after which large activations come from
-the heap and the high-water mark wanders by +-5% from run to run (measured 464 / 483 / 456 MB for
-4 / 16 / 48 chunks, not monotonic) — allocator noise that would hide or fake a 2% trend. Pinned,
-RSS follows live memory (421.6 vs 423.7 MB for 2 vs 16 chunks). Production keeps glibc's default:
-pinning made the tiny render ~1.5x slower (mmap page faults on every large activation).
+The renders run in the default configuration, as ``longtake render`` and the worker run them: no
+allocator or thread settings in the environment. What keeps them flat is in the code: the audio
+tracks are read without being mapped (``pipeline.inputs.AudioSource``) and the free heap is given
+back after every emission (``pipeline.host.release_free_heap``); docs/benchmarks.md has the profile
+that found both.
 """
 
 from __future__ import annotations
@@ -24,11 +23,11 @@ CHUNK_S = 16 / 25  # one N chunk of the tiny preset
 
 
 def peak_rss(mode: str, chunks: int) -> int:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}  # the default configuration
     out = subprocess.run(
         [sys.executable, "-m", "bench.stream", "--preset", "tiny", "--seconds", str(chunks * CHUNK_S),
-         "--mode", mode, "--threads", "1", "--json"],
-        cwd=REPO, check=True, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"},
+         "--mode", mode, "--json"],
+        cwd=REPO, check=True, capture_output=True, text=True, timeout=900, env=env,
     ).stdout
     return int(json.loads(out.strip().splitlines()[-1])["peak_rss_bytes"])
 

@@ -30,6 +30,8 @@ from worker.jobs.store import JobStore
 from worker.settings import Settings
 
 API_PREFIX = "/v1"
+# what a 503 (database or broker unreachable) tells clients to wait before retrying, in seconds
+RETRY_AFTER_S = 5
 JOB_ID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 
 

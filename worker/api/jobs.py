@@ -5,7 +5,8 @@ makes "nothing queued" true for every rejected request): authenticate -> parse a
 whole spec (with the operator's ``file_root`` as validation context) -> check that every
 ``upload://`` input exists under the caller's tenant -> create the row (idempotent on the tenant's
 ``idempotency_key``) -> send the Celery message carrying only the job id
-(:func:`worker.jobs.queue.enqueue_render`). A request that fails any step before "create" leaves no
+(:func:`worker.jobs.queue.enqueue_render`, one try: a broker outage leaves the row queued and
+unpublished for the workers' outbox sweeper, and the submission still answers at once). A request that fails any step before "create" leaves no
 row and no message (and no uploaded object: :func:`worker.api.uploads.cleanup_on_error`).
 """
 
@@ -218,24 +219,28 @@ def _create_and_enqueue(
             return job_view(rec)
         # Still queued and never claimed: the first submission's message may have been lost (broker
         # down). Sending again is safe: a claim is a conditional UPDATE, a second message is a no-op.
-    try:
-        enqueue_render(deps.celery, rec.id, queue=deps.settings.queue_name, priority=spec.priority)
-    except Exception as exc:
-        logger.error("job %s: could not enqueue: %s", rec.id, exc)
-        if spec.idempotency_key is None:
-            # Nobody can re-send this one: fail it rather than leave a queued row no worker will see.
-            deps.store.fail(rec.id, code="enqueue_failed", message=f"broker unreachable at submit: {exc}")
-            hint = "submit again"
-        else:
-            hint = "submit again with the same idempotency_key (the job is kept and will be enqueued)"
-        raise ApiError(
-            503, "broker_unavailable", f"job {rec.id} could not be queued ({exc}); {hint}"
-        ) from exc
+    _publish(deps, rec.id, spec.priority)
     if created:
         deps.metrics.submitted.inc()
         response.status_code = 201
         logger.info("job %s: created for tenant %s and queued", rec.id, tenant)
     return job_view(rec)
+
+
+
+def _publish(deps: Deps, job_id: str, priority: int) -> None:
+    """Send the job's message with one try (``retry=False``: milliseconds when Redis is down,
+    instead of the publish retry policy's ~33 s, beyond a client's 30 s timeout). On failure the
+    job stays queued, marked unpublished, and the workers' outbox sweeper sends it once the broker
+    is back (:func:`worker.jobs.reaper.sweep_once`): the submission still succeeds."""
+    try:
+        enqueue_render(deps.celery, job_id, queue=deps.settings.queue_name, priority=priority, retry=False)
+    except Exception as exc:
+        logger.warning("job %s: broker unreachable at submit (%s); the sweeper will publish it", job_id, exc)
+        try:
+            deps.store.mark_unpublished(job_id)
+        except Exception as mark_exc:  # still found by the sweeper: no message in the broker
+            logger.warning("job %s: could not mark it unpublished (%s)", job_id, mark_exc)
 
 
 @router.post(

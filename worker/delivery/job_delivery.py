@@ -45,7 +45,9 @@ class JobDelivery(Protocol):
 
 class DeliveryFactory(Protocol):
     """Builds one attempt's :class:`JobDelivery`; :data:`s3_delivery` is the production one. Passed
-    to :class:`worker.jobs.tasks.JobWorker` (tests pass a fake there)."""
+    to :class:`worker.jobs.tasks.JobWorker` (tests pass a fake there). ``attempt`` (1-based) and
+    ``fence`` (raises :class:`worker.errors.LeaseLostError` once the lease is gone; to be called
+    before every object write) fence the attempt's object writes as its commits are fenced."""
 
     def __call__(
         self,
@@ -56,6 +58,8 @@ class DeliveryFactory(Protocol):
         spec: JobSpec,
         committed: Sequence[SegmentRecord],
         on_commit: Callable[[SegmentRecord], None],
+        attempt: int = 0,
+        fence: Callable[[], None] | None = None,
     ) -> JobDelivery: ...
 
 
@@ -103,8 +107,12 @@ class S3Delivery:
         spec: JobSpec,
         committed: Sequence[SegmentRecord],
         on_commit: Callable[[SegmentRecord], None],
+        attempt: int = 0,
+        fence: Callable[[], None] | None = None,
     ) -> None:
-
+        """``attempt`` names this attempt's segment and state objects (``a<attempt>-seg_…``) and
+        ``fence`` (the lease check) runs before every object write: see docs/delivery.md, "Fenced
+        object writes"."""
         self.store = open_object_store(settings.object_store_url, endpoint_url=settings.s3_endpoint_url)
         self.prefix = job_prefix(tenant, job_id)
         self.sink = S3ProgressiveSink(
@@ -114,6 +122,8 @@ class S3Delivery:
             on_commit=on_commit,
             preview=spec.preview.hls,
             state_every=settings.state_every,
+            key_tag=f"a{attempt}-" if attempt else "",
+            fence=fence,
         )
         self.sinks: Sequence[FrameSink] = [self.sink]
         if spec.preview.kvs is not None:

@@ -26,6 +26,11 @@ With the preview off, fragments are committed when the part that carries them is
 ``key`` is then the final MP4's key; the newest ``state_every``-th fragment of each part carries a
 ``state_key``).
 
+Fencing: the worker passes ``key_tag`` (``a<attempt>-``: segment and state objects are named per
+attempt, and the committed row names the key, so readers — the playlist, the API — only ever see
+committed objects) and ``fence`` (its lease check, run before every write; a stale worker that
+lost its lease writes nothing more).
+
 Resume: a retried render restarts after the newest *stored* state, so it may re-make fragments that
 are already committed; ``write`` checks each against its committed checksum and sends nothing.
 
@@ -58,7 +63,7 @@ from typing import IO, TypeVar
 from pipeline.errors import SinkError
 from pipeline.media_types import Fragment, InitSegment
 from pipeline.sinks import HLS_INIT, HLS_PLAYLIST, hls_segment_name, hls_target_duration, render_hls_playlist
-from worker.delivery.keys import safe_key
+from worker.delivery.keys import check_relative_key, safe_key
 from worker.delivery.object_store import ObjectStore
 from worker.delivery.segment import SegmentRecord
 from worker.errors import ObjectNotFoundError, StorageError
@@ -214,6 +219,8 @@ class S3ProgressiveSink:
         playlist_budget: float = 0.015,
         target_duration: int | None = None,
         state_every: int = 1,
+        key_tag: str = "",
+        fence: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
         self.prefix = prefix
@@ -235,6 +242,14 @@ class S3ProgressiveSink:
         if state_every < 1:
             raise ValueError(f"state_every={state_every}: must be >= 1")
         self._state_every = state_every  # upload the resume state of every N-th fragment only
+        # Fencing object writes (issue 17 item 5): segment and state objects are named per attempt
+        # (key_tag, e.g. "a2-"), so a stale attempt's late write can only create an object no
+        # committed row names; and fence() (the worker's lease check) runs before every write, so a
+        # worker that lost its lease writes nothing at all once it notices.
+        if key_tag and ("/" in key_tag or not check_relative_key(key_tag + "x", field="key_tag")):
+            raise ValueError(f"key_tag={key_tag!r}: one name prefix without '/', e.g. 'a2-'")
+        self._tag = key_tag
+        self._fence = fence
 
         done = sorted(committed, key=lambda s: s.index)
         if [s.index for s in done] != list(range(len(done))):
@@ -432,8 +447,14 @@ class S3ProgressiveSink:
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
+    def _check_fence(self) -> None:
+        """Before every write (retries included): raises (LeaseLostError) once the lease is gone."""
+        if self._fence is not None:
+            self._fence()
+
     def _put(self, key: str, data: bytes, counter: str, content_type: str) -> None:
         def attempt() -> None:
+            self._check_fence()
             setattr(self.counters, counter, getattr(self.counters, counter) + len(data))
             self.store.put_bytes(key, data, content_type=content_type)
 
@@ -511,12 +532,12 @@ class S3ProgressiveSink:
     def _deliver(self, fragment: Fragment, data: bytes, state: bytes | None) -> None:
         checksum = hashlib.sha256(data).hexdigest()
         if self.preview:
-            key = safe_key(self.prefix, hls_segment_name(fragment.index))
+            key = safe_key(self.prefix, self._tag + hls_segment_name(fragment.index))
             self._put(key, data, "segment_bytes", "video/iso.segment")
             self.counters.num_segments += 1
             state_key = None
             if state is not None and fragment.index % self._state_every == 0:
-                state_key = safe_key(self.prefix, f"state_{fragment.index:05d}.bin")
+                state_key = safe_key(self.prefix, f"{self._tag}state_{fragment.index:05d}.bin")
                 self._put(state_key, state, "state_bytes", "application/octet-stream")
             seg = SegmentRecord(fragment.index, key, len(data), fragment.duration_s, checksum, state_key,
                                    fragment.first_frame, fragment.num_frames)
@@ -570,8 +591,11 @@ class S3ProgressiveSink:
     def _upload_part(self) -> None:
         assert self._init is not None and self._pending
         if self._mp is None:
-            upload_id = self._retry("create multipart", lambda: self.store.create_multipart(
-                self.final_key, content_type="video/mp4"))
+            def create() -> str:
+                self._check_fence()
+                return self.store.create_multipart(self.final_key, content_type="video/mp4")
+
+            upload_id = self._retry("create multipart", create)
             self._mp = MultipartState(self.final_key, upload_id, self._init_sha)
         mp = self._mp
         first_part = not mp.parts
@@ -579,6 +603,7 @@ class S3ProgressiveSink:
         part_number = len(mp.parts) + 1
 
         def attempt() -> str:
+            self._check_fence()
             self.counters.part_bytes += len(body)
             return self.store.upload_part(mp.key, mp.upload_id, part_number, body)
 
@@ -599,7 +624,7 @@ class S3ProgressiveSink:
         state_key, state_index = None, -1
         if self._last_state is not None:
             state_index, state = self._last_state
-            state_key = safe_key(self.prefix, f"state_{state_index:05d}.bin")
+            state_key = safe_key(self.prefix, f"{self._tag}state_{state_index:05d}.bin")
             self._put(state_key, state, "state_bytes", "application/octet-stream")
             self._last_state = None
         for frag, checksum, nbytes in self._unpart_commits:
@@ -625,6 +650,7 @@ class S3ProgressiveSink:
 
             def complete() -> None:
                 nonlocal tried
+                self._check_fence()
                 try:
                     self.store.complete_multipart(mp.key, mp.upload_id, parts)
                 except ObjectNotFoundError:

@@ -169,7 +169,7 @@ def build_module(p: WanPreset, name: str, weights: Path | None, seed: int) -> nn
 
         from models.wan.vae import WanStreamingVAE
 
-        return WanStreamingVAE(AutoencoderKLWan(**shapes.get("vae", {})))  # type: ignore[arg-type]
+        return WanStreamingVAE(AutoencoderKLWan(**shapes.get("vae", {})))  # type: ignore[no-untyped-call]
     if name == "audio":
         from transformers import Wav2Vec2Config, Wav2Vec2Model
 
