@@ -3,8 +3,9 @@
 Who calls what: :class:`worker.jobs.tasks.JobWorker` calls its :class:`DeliveryFactory` (default
 :data:`s3_delivery`, injected through the constructor) once per attempt with the committed segments
 and the lease-fenced ``on_commit``; the runner relays the render's fragments into ``sinks``; the
-worker then asks for ``outputs()`` / ``partial_outputs()`` for the row, ``load_state`` for the
-resume point, or ``abandon()`` when the job is given up.
+worker then asks ``verify(committed)`` whether the outputs exist (at finish), ``outputs()`` /
+``partial_outputs()`` for the row, ``load_state`` for the resume point, or ``abandon()`` when the
+job is given up.
 
 The production delivery is :class:`worker.delivery.s3_sink.S3ProgressiveSink` (segments, HLS,
 final MP4) plus, when the spec asks for one, a KVS live preview wrapped in :class:`BestEffortSink`
@@ -41,6 +42,10 @@ class JobDelivery(Protocol):
     def partial_outputs(self) -> dict[str, str]: ...
     def load_state(self, key: str) -> bytes: ...
     def abandon(self) -> None: ...
+    def verify(self, committed: Sequence[SegmentRecord]) -> str | None:
+        """After a successful render, before the row is marked succeeded: None when every output
+        the row will name exists (repairing what it can), else the reason."""
+        ...
 
 
 class DeliveryFactory(Protocol):
@@ -145,6 +150,9 @@ class S3Delivery:
 
     def load_state(self, key: str) -> bytes:
         return self.store.get_bytes(key)
+
+    def verify(self, committed: Sequence[SegmentRecord]) -> str | None:
+        return self.sink.verify_outputs(committed)
 
     def abandon(self) -> None:
         self.sink.abandon()

@@ -331,6 +331,13 @@ class JobWorker:
 
     def _end(self, lease: Lease, delivery: JobDelivery, outcome: RenderOutcome) -> str:
         if outcome.status == "succeeded":
+            # what the row will claim must exist (issue 17 item 6: a store that lost data mid-render)
+            problem = delivery.verify(self.store.segments(lease.job_id))
+            if problem is not None:
+                return self._retry_or_fail(
+                    lease, delivery, code="output_missing", retryable=True,
+                    message=f"outputs failed verification at finish: {problem}",
+                )
             self.store.finish(lease, outputs=delivery.outputs())
             return "succeeded"
         if outcome.status == "stopped":
