@@ -20,6 +20,10 @@ audio; nothing reads model internals. Frames are consumed one at a time by :clas
   so its change is ``|f[b] - f[b-1]|``.
 
 CLI: ``python -m bench.quality --json [--audio FILE] [--minutes M] [--plot out.png] [--ground-truth]``.
+``--fidelity [--identities N] [--seconds S] [--sheet out.png]`` scores identity fidelity instead
+(``bench.fidelity``: per-region distance to the reference after aligning the head, accessory
+presence, SSIM, head jump at seams) as model / ground-truth ratios over N held-out identities, and
+writes a contact sheet (reference, ground truth, model at several times).
 ``--ground-truth`` scores generator renders of a held-out identity (the baseline); the model mode calls a
 ``render_fn`` (default ``bench.quality_render:render_for_quality``, imported lazily) twice, with and without
 I chunks.
@@ -434,9 +438,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--interp-frames", type=int, default=0, help="e (default: tiny preset)")
     p.add_argument("--render-fn", default="bench.quality_render:render_for_quality",
                    help="module:function rendering frames for the model mode")
+    p.add_argument("--fidelity", action="store_true", help="identity fidelity (bench.fidelity) over "
+                   "--identities held-out identities, model / ground-truth ratios")
+    p.add_argument("--identities", type=int, default=20, help="fidelity: held-out identities 0..N-1 (default 20)")
+    p.add_argument("--seconds", type=float, default=4.0, help="fidelity: clip length in seconds (default 4)")
+    p.add_argument("--sheet", help="write a contact sheet PNG (reference, ground truth, model at several "
+                   "times); implies --fidelity")
+    p.add_argument("--markdown", action="store_true", help="fidelity: print the aggregate as a Markdown table")
     args = p.parse_args(argv)
     if args.minutes <= 0:
         p.error(f"--minutes {args.minutes}: must be > 0")
+    if args.sheet or args.fidelity:
+        return _main_fidelity(args, p)
     result, series, _ = run(args)
     if args.plot:
         plot(series, Path(args.plot), f"bench.quality {result['mode']} identity {result['identity_seed']}")
@@ -446,6 +459,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         for k, v in result.items():
             print(f"{k:28s} {v}")
+    return 0
+
+
+def _main_fidelity(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
+    from bench.fidelity import markdown_table, run_fidelity
+
+    if args.identities < 1 or args.seconds <= 0:
+        p.error(f"--identities {args.identities} --seconds {args.seconds}: need >= 1 identity and > 0 s")
+    render_fn = _load_render_fn(args.render_fn)
+    result = run_fidelity(args.identities, args.seconds, args.seed, render_fn,
+                          Path(args.sheet) if args.sheet else None, log_fn=lambda m: print(m, file=sys.stderr))
+    result["mode"] = "fidelity"
+    if args.sheet:
+        result["sheet"] = args.sheet
+    if args.markdown:
+        print(markdown_table(result))
+    elif args.json:
+        print(json.dumps(result))
+    else:
+        for group, agg in result["aggregate"].items():  # type: ignore[attr-defined]
+            print(group)
+            for k, v in agg.items():
+                print(f"  {k:36s} {v}")
     return 0
 
 

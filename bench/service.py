@@ -3,7 +3,7 @@
     python -m bench.service --jobs 6 --seconds 60 --kills 5 --json
 
 Runs on this machine's PostgreSQL and Redis (a database and a Celery queue of its own, dropped at
-the end), a local object store, and ``--workers`` real ``longtake worker`` processes (the
+the end), a local object store, ``max_attempts = kills + 2``, and ``--workers`` real ``longtake worker`` processes (the
 production Celery app: real pipeline, tiny preset, one CPU rank each). Three phases:
 
 1. **Load**: ``--jobs`` jobs of ``--seconds`` of speech each, submitted at once; every job must
@@ -43,7 +43,7 @@ PG_HOST = "postgresql+psycopg://postgres@127.0.0.1:5432"
 REDIS = "redis://127.0.0.1:6379/5"
 
 
-def _env(tmp: Path, db_url: str, queue: str, lease_s: float) -> dict[str, str]:
+def _env(tmp: Path, db_url: str, queue: str, lease_s: float, max_attempts: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LONGTAKE_")}
     env.update({
         "LONGTAKE_DATABASE_URL": db_url,
@@ -55,6 +55,7 @@ def _env(tmp: Path, db_url: str, queue: str, lease_s: float) -> dict[str, str]:
         "LONGTAKE_LEASE_S": str(lease_s),
         "LONGTAKE_HEARTBEAT_S": str(max(0.5, lease_s / 5)),
         "LONGTAKE_REAPER_INTERVAL_S": "1",
+        "LONGTAKE_MAX_ATTEMPTS": str(max_attempts),
         "LONGTAKE_LOG_LEVEL": "INFO",
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")]),
     })
@@ -132,14 +133,14 @@ def run(jobs: int, seconds: float, kills: int, workers: int, lease_s: float) -> 
         c.execute(text(f'CREATE DATABASE "{db}"'))
     db_url = f"{PG_HOST}/{db}"
     migrate(db_url)
-    env = _env(tmp, db_url, queue, lease_s)
+    env = _env(tmp, db_url, queue, lease_s, max_attempts=kills + 2)  # every kill costs an attempt
     saved = dict(os.environ)
     os.environ.update({k: v for k, v in env.items() if k.startswith("LONGTAKE_")})
     settings = Settings()
     os.environ.clear()
     os.environ.update(saved)
     engine = make_engine(db_url)
-    store = JobStore(engine)
+    store = JobStore(engine, max_attempts=kills + 2)  # every kill costs an attempt
     celery = create_celery_app(settings)
     shutil.copy(DEMO_IMAGE, tmp / "in" / "ref.png")
     pool: list[_Worker] = []
@@ -179,10 +180,10 @@ def run(jobs: int, seconds: float, kills: int, workers: int, lease_s: float) -> 
     try:
         for i in range(workers):
             start(f"w{i}")
-        # 1. load
+        # 1. load (--jobs 0 skips it)
         t0 = time.monotonic()
         ids = [submit(100 + i) for i in range(jobs)]
-        recs = wait(ids, timeout=jobs * seconds * 10 + 300)
+        recs = wait(ids, timeout=jobs * seconds * 10 + 300) if ids else []
         report["load"] = {
             "wall_s": round(time.monotonic() - t0, 1),
             "succeeded": sum(r.status == "succeeded" for r in recs),
@@ -190,6 +191,7 @@ def run(jobs: int, seconds: float, kills: int, workers: int, lease_s: float) -> 
             "errors": sorted({f"{r.error_code}" for r in recs if r.error_code}),
             "durations_s": [round(_duration(final(r)), 3) for r in recs if r.status == "succeeded"],
         }
+        print(json.dumps({"load": report["load"]}), file=sys.stderr, flush=True)
         # 2. reference (uninterrupted)
         (ref,) = wait([submit(7)], timeout=seconds * 10 + 300)
         reference = final(ref).read_bytes()
@@ -203,10 +205,10 @@ def run(jobs: int, seconds: float, kills: int, workers: int, lease_s: float) -> 
         n = 0
         for mark in marks:
             rec = store.get(job)
-            while rec is not None and rec.chunks_done < mark and rec.status != "succeeded":
+            while rec is not None and rec.chunks_done < mark and rec.status in ("queued", "running"):
                 time.sleep(0.05)
                 rec = store.get(job)
-            if rec is None or rec.status == "succeeded":
+            if rec is None or rec.status not in ("queued", "running") or rec.lease_owner is None:
                 break
             victim = next(w for w in pool if w.name == rec.lease_owner)
             done = rec.chunks_done
@@ -217,7 +219,9 @@ def run(jobs: int, seconds: float, kills: int, workers: int, lease_s: float) -> 
             start(f"r{n}")
             while True:  # the next committed chunk, on another worker
                 r = store.get(job)
-                if r is not None and (r.chunks_done > done or r.status == "succeeded") and r.lease_owner != victim.name:
+                if r is None or r.status in ("failed", "cancelled"):
+                    break
+                if (r.chunks_done > done or r.status == "succeeded") and r.lease_owner != victim.name:
                     resumes.append(round(time.monotonic() - killed_at, 2))
                     break
                 time.sleep(0.05)

@@ -6,6 +6,7 @@ Called once per render attempt before any model runs, so a bad input fails fast 
 * :func:`load_reference_image` -> HxWx3 uint8 RGB, centre-cropped to the target aspect, Lanczos-resized.
   Transparency, CMYK and 16-bit channels are rejected with the command that fixes them: each would
   need a guess (which background, which colour profile) that silently changes the person's look.
+  An alpha channel that is fully opaque (alpha 255 everywhere) is no transparency and is dropped.
 * :class:`AudioSource` decodes the audio file once into two mono float32 tracks (model rate for
   features, output rate for AAC) kept in temporary files, so a multi-hour input costs disk, not RAM.
   The pipeline reads windows of it per chunk, the encoder its fragment's span, both with positioned
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import tempfile
 import threading
 import warnings
@@ -28,6 +30,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from pipeline.errors import InvalidInputError
+from pipeline.sinks import HLS_FAILED_MARKER, HLS_INIT, HLS_PLAYLIST
 
 logger = logging.getLogger(__name__)
 
@@ -124,16 +127,14 @@ def _is_sixteen_bit(im: Image.Image) -> bool:
 def _check_pixel_format(path: Path, im: Image.Image) -> None:
     """Accept 8-bit RGB, grayscale and palette images; reject what we would have to guess about.
 
-    Transparency, CMYK and 16-bit channels are rejected rather than converted: flattening onto a
+    Transparency (checked on the pixels by :func:`_to_rgb`: a fully opaque alpha channel is
+    accepted), CMYK and 16-bit channels are rejected rather than converted: flattening onto a
     background we pick, converting CMYK without the printer's colour profile, or dropping bits all
     change the person's appearance silently, and identity is what the product is about.
     """
     mode = im.mode
-    if mode in ("RGBA", "LA", "RGBa", "La", "PA") or (mode == "P" and "transparency" in im.info):
-        raise _image_error(
-            path, f"has an alpha channel (mode {mode})",
-            "flatten it onto the opaque background you want and save it as RGB, e.g. "
-            "`convert IMAGE -background white -alpha remove -alpha off OUT.png`")
+    if mode in ("RGBa", "La"):  # premultiplied alpha: only ever transparent data
+        raise _transparency_error(path, mode)
     if mode == "CMYK":
         raise _image_error(
             path, "is CMYK (print colours)",
@@ -144,7 +145,30 @@ def _check_pixel_format(path: Path, im: Image.Image) -> None:
             "save it with 8 bits per channel, e.g. `convert IMAGE -depth 8 OUT.png`")
 
 
+def _has_alpha(im: Image.Image) -> bool:
+    return im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info)
+
+
+def _transparency_error(path: Path, mode: str) -> InvalidInputError:
+    return _image_error(
+        path, f"has transparent pixels (an alpha channel, mode {mode}, below fully opaque)",
+        "flatten it onto the opaque background you want and save it as RGB, e.g. "
+        "`convert IMAGE -background white -alpha remove -alpha off OUT.png`")
+
+
+def _drop_opaque_alpha(path: Path, im: Image.Image) -> Image.Image:
+    """An image with an alpha channel that is fully opaque everywhere (most screenshots and exports)
+    as its colour channels; any pixel below alpha 255 is refused (which background would we pick?).
+    Called by :func:`_to_rgb` after the pixels are loaded."""
+    rgba = im.convert("RGBA") if im.mode in ("P", "PA") else im
+    if int(np.asarray(rgba.getchannel("A")).min()) < 255:
+        raise _transparency_error(path, im.mode)
+    return rgba.convert("RGB") if rgba.mode == "RGBA" else rgba.convert("L")
+
+
 def _to_rgb(path: Path, im: Image.Image) -> Image.Image:
+    if _has_alpha(im):
+        im = _drop_opaque_alpha(path, im)
     mode = im.mode
     if mode == "F":
         raise _image_error(path, "is a floating-point image (mode F) with no defined range")
@@ -186,10 +210,7 @@ class AudioSource:
     @classmethod
     def open(cls, path: Path, model_rate: int = 16000, output_rate: int = 48000) -> AudioSource:
         path = Path(path)
-        if not path.exists():
-            raise _audio_error(path, "does not exist", "check the path")
-        if path.is_dir():
-            raise _audio_error(path, "is a directory, not an audio file", "pass the audio file inside it")
+        _check_audio_path(path)
         rates = sorted({model_rate, output_rate})
         tmpdir = Path(tempfile.gettempdir())
         files: list[Path] = []
@@ -297,16 +318,56 @@ class _Track:
         self._file.close()
 
 
-def _decode_into(path: Path, writers: dict[int, BinaryIO]) -> None:
-    """Decode the first audio stream of ``path``, resample to mono float32 per rate, append to files."""
+def _check_audio_path(path: Path) -> None:
+    if not path.exists():
+        raise _audio_error(path, "does not exist", "check the path")
+    if path.is_dir():
+        raise _audio_error(path, "is a directory, not an audio file", "pass the audio file inside it")
+
+
+def _ffmpeg_reason(e: BaseException) -> str:
+    """FFmpeg's own words for ``e`` without PyAV's "[Errno 1094995529]" (an AVERROR code) or the
+    repeated file name: e.g. "Invalid data found when processing input"."""
+    text = getattr(e, "strerror", None) or str(e)
+    return re.sub(r"^\[Errno -?\d+\]\s*", "", str(text)).split(": '")[0].strip()
+
+
+def _open_audio(path: Path) -> av.container.InputContainer:
+    """``av.open`` of ``path`` with its first audio stream checked; the caller closes it."""
     try:
         container = av.open(str(path), mode="r")
     except (av.FFmpegError, UnicodeDecodeError) as e:
-        raise _audio_error(path, f"is not a readable audio file ({e})", _AUDIO_FIX) from e
-    with container:
-        if not container.streams.audio:
-            kind = "is a video without an audio track" if container.streams.video else "has no audio stream"
-            raise _audio_error(path, kind, _AUDIO_FIX)
+        raise _audio_error(path, f"is not a readable audio file ({_ffmpeg_reason(e)})", _AUDIO_FIX) from e
+    if not container.streams.audio:
+        kind = "is a video without an audio track" if container.streams.video else "has no audio stream"
+        container.close()
+        raise _audio_error(path, kind, _AUDIO_FIX)
+    return container
+
+
+def probe_audio_channels(path: Path) -> int:
+    """Check the audio at ``path`` from its header and first decoded samples, without decoding the
+    rest: what ``longtake render`` runs before importing torch, so a bad file fails in a blink.
+    Returns the channel count (the render downmixes to mono; the CLI says so). Raises the
+    :class:`InvalidInputError` that :meth:`AudioSource.open` would. (The API's submit-time probe
+    with the duration cap is :func:`pipeline.probe.probe_audio`.)"""
+    path = Path(path)
+    _check_audio_path(path)
+    with _open_audio(path) as container:
+        stream = container.streams.audio[0]
+        try:
+            for frame in container.decode(stream):
+                if frame.samples:
+                    return int(stream.codec_context.channels or len(frame.layout.channels))
+        except av.FFmpegError as e:
+            raise _audio_error(path, f"is corrupt: decoding failed ({_ffmpeg_reason(e)})",
+                               "re-export the audio") from e
+    raise _audio_error(path, "contains no audio samples (zero length)", "use a non-empty recording")
+
+
+def _decode_into(path: Path, writers: dict[int, BinaryIO]) -> None:
+    """Decode the first audio stream of ``path``, resample to mono float32 per rate, append to files."""
+    with _open_audio(path) as container:
         stream = container.streams.audio[0]
         resamplers = {rate: av.AudioResampler(format="flt", layout="mono", rate=rate) for rate in writers}
         try:
@@ -317,7 +378,8 @@ def _decode_into(path: Path, writers: dict[int, BinaryIO]) -> None:
             for rate, resampler in resamplers.items():
                 _write(writers[rate], resampler.resample(None))
         except av.FFmpegError as e:
-            raise _audio_error(path, f"is corrupt: decoding failed ({e})", "re-export the audio") from e
+            raise _audio_error(path, f"is corrupt: decoding failed ({_ffmpeg_reason(e)})",
+                               "re-export the audio") from e
 
 
 def _write(f: BinaryIO, frames: list[av.AudioFrame]) -> None:
@@ -328,8 +390,13 @@ def _write(f: BinaryIO, frames: list[av.AudioFrame]) -> None:
 # ------------------------------------------------------------------------------------------ output
 
 
-def validate_output_path(path: Path) -> Path:
-    """Check an ``.mp4`` output path before rendering; creates the parent directory. Returns it absolute."""
+def validate_output_path(path: Path, *, overwrite: bool = False) -> Path:
+    """Check an ``.mp4`` output path before rendering; creates the parent directory. Returns it absolute.
+
+    The one rule for every output (:func:`validate_hls_directory` too): an existing output is
+    refused unless ``overwrite`` (``longtake render --force``); it is replaced only when the new
+    render succeeds (``FileSink`` renames over it).
+    """
     path = Path(path).expanduser()
     if path.is_dir():
         raise InvalidInputError(
@@ -342,23 +409,53 @@ def validate_output_path(path: Path) -> Path:
             f"output {str(path)!r} must end in .mp4 (the file is a fragmented MP4); rename it",
             field="out",
         )
+    if path.exists() and not overwrite:
+        raise InvalidInputError(
+            f"output {str(path)!r} already exists; pass --force to overwrite it (it is replaced only "
+            "when the new render succeeds), or choose another path",
+            field="out",
+        )
     _ensure_writable_dir(path.parent, path)
     return path.resolve()
 
 
-def validate_hls_directory(path: Path) -> Path:
-    """Check an HLS output directory: missing (created) or empty. Returns it absolute."""
+def _is_hls_output(name: str) -> bool:
+    """A file an :class:`~pipeline.sinks.HLSDirectorySink` writes (``--force`` may remove it)."""
+    return name in (HLS_PLAYLIST, HLS_INIT, HLS_FAILED_MARKER) or bool(re.fullmatch(r"seg_\d{5}\.m4s", name))
+
+
+def validate_hls_directory(path: Path, *, overwrite: bool = False) -> Path:
+    """Check an HLS output directory: missing (created), empty, or — with ``overwrite`` — holding an
+    earlier render's playlist and segments, which are removed. Returns it absolute.
+
+    Same rule as :func:`validate_output_path`. Files that are not HLS output are never removed: a
+    directory holding any is refused even with ``overwrite``.
+    """
     path = Path(path).expanduser()
     if path.exists() and not path.is_dir():
         raise InvalidInputError(
             f"HLS output {str(path)!r} is a file; pass a directory path for the playlist and segments",
-            field="out",
+            field="hls",
         )
     _ensure_writable_dir(path, path)
-    if any(path.iterdir()):
+    present = sorted(p.name for p in path.iterdir())
+    if not present:
+        return path.resolve()
+    foreign = [name for name in present if not _is_hls_output(name)]
+    if foreign:
         raise InvalidInputError(
-            f"HLS output directory {str(path)!r} is not empty; pass a new or empty directory", field="out"
+            f"HLS output directory {str(path)!r} holds files that are not HLS output "
+            f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); pass a new or empty directory",
+            field="hls",
         )
+    if not overwrite:
+        raise InvalidInputError(
+            f"HLS output directory {str(path)!r} already holds a render ({len(present)} files); pass "
+            "--force to replace it, or a new or empty directory",
+            field="hls",
+        )
+    for name in present:
+        (path / name).unlink()
     return path.resolve()
 
 

@@ -119,7 +119,10 @@ class PreviewView(_Wire):
 
     job_id: str
     kind: Literal["hls", "kvs", "none"]
-    url: str | None = None
+    url: str | None = Field(default=None, description="the HLS playlist (players) or KVS session URL")
+    page_url: str | None = Field(
+        default=None, description="HLS: a page on the API that plays the render in any browser"
+    )
     detail: str = ""
     expires_s: int | None = None
 
@@ -230,8 +233,10 @@ class LongtakeClient:
         return PreviewView.model_validate(self._check(self._req("GET", f"/v1/jobs/{job_id}/preview")))
 
     def preview_url(self, job_id: str) -> str | None:
-        """The HLS playlist (or KVS session) URL to watch the job, or None if there is none yet."""
-        return self.preview(job_id).url
+        """The URL to watch the job in a browser: the API's player page (HLS), else the KVS session
+        URL; None when the job has no preview."""
+        view = self.preview(job_id)
+        return view.page_url or view.url
 
     def health(self) -> dict[str, object]:
         resp = self._req("GET", "/healthz")

@@ -28,6 +28,7 @@ from urllib.parse import unquote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from pipeline.errors import InvalidInputError
 from pipeline.families import DEFAULT_FAMILY, FAMILIES
 from pipeline.request import MAX_TEXT_CHARS
 
@@ -86,8 +87,8 @@ def resolve_file_uri(uri: str, file_root: Path | None, *, field: str = "input") 
     resolved = Path(path).resolve()
     if resolved != root and root not in resolved.parents:
         raise ValueError(
-            f"{field}: {uri!r} resolves outside the allowed root {str(root)!r}; "
-            f"put the file under {str(root)!r} or upload it"
+            f"{field}: {uri!r} resolves outside the allowed root for file:// inputs "
+            "(LONGTAKE_FILE_ROOT, set by the operator); put the file under it or upload it"
         )
     return resolved
 
@@ -133,7 +134,7 @@ def _validate_input_uri(field: str, value: str, info: ValidationInfo) -> str:
 class KvsPreviewSpec(BaseModel):
     """A live preview into an AWS Kinesis Video Streams stream (the stream must already exist)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     stream_name: str = Field(description="KVS stream name (1-256 of A-Z a-z 0-9 _ . -)")
     region: str = Field(description="AWS region of the stream, e.g. us-east-1")
@@ -158,7 +159,7 @@ class KvsPreviewSpec(BaseModel):
 class PreviewSpec(BaseModel):
     """Watching a render while it runs."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     hls: bool = Field(
         default=True, description="Keep an HLS EVENT playlist updated as fragments are uploaded"
@@ -169,7 +170,7 @@ class PreviewSpec(BaseModel):
 class OutputSpec(BaseModel):
     """What the finished job leaves in object storage."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     container: Literal["mp4"] = Field(default="mp4", description="Final file format (fragmented MP4)")
     keep_segments: bool = Field(
@@ -180,7 +181,7 @@ class OutputSpec(BaseModel):
 class JobSpec(BaseModel):
     """One render request. Frozen; unknown fields are an error (``extra="forbid"``)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     image: str = Field(
         description="Reference image URI: s3://, file:// (under the allowed root) or upload://"
@@ -235,11 +236,17 @@ class JobSpec(BaseModel):
 
     @field_validator("preset")
     @classmethod
-    def _preset(cls, v: str) -> str:
+    def _preset(cls, v: str, info: ValidationInfo) -> str:
         if not _PRESET_RE.match(v):
             raise ValueError(
                 f"preset: {v!r} is not a preset name; use lowercase letters, digits, '.', '_' or '-' (e.g. 'tiny')"
             )
+        family = info.data.get("family")
+        if family is not None:  # None: the family itself was refused, and says so
+            try:
+                FAMILIES.get(family).preset(v)  # torch-free: presets are plain descriptions
+            except InvalidInputError as exc:
+                raise ValueError(f"preset: {exc}; pick a preset of family {family!r}") from exc
         return v
 
     @field_validator("model")

@@ -79,9 +79,15 @@ class MotionTrack:
 
 @dataclass(frozen=True)
 class FrameTruth:
+    """What the generator knows about one frame it drew (``bench.quality`` / ``bench.fidelity`` read it;
+    ``FaceRenderer.region_masks(pose, mouth_open, mouth_width, blink)`` gives its region masks)."""
+
     mouth_open: float
     mouth_box: Box
     face_box: Box
+    mouth_width: float = 0.5
+    blink: float = 0.0
+    pose: HeadPose = HeadPose()
 
 
 class AvatarRenderer:
@@ -107,9 +113,9 @@ class AvatarRenderer:
         return self.face.eyes_box(HeadPose())
 
     def frame(self, index: int, mouth_open: float, mouth_width: float) -> tuple[np.ndarray, FrameTruth]:
-        pose = self.motion.pose(index)
-        img = self.face.render(pose, mouth_open, mouth_width, self.motion.blink(index))
-        return img, FrameTruth(mouth_open, self.face.mouth_box(pose), self.face.face_box(pose))
+        pose, blink = self.motion.pose(index), self.motion.blink(index)
+        img = self.face.render(pose, mouth_open, mouth_width, blink)
+        return img, FrameTruth(mouth_open, self.face.mouth_box(pose), self.face.face_box(pose), mouth_width, blink, pose)
 
     def stream(self, audio: np.ndarray, start_frame: int = 0, num_frames: int | None = None,
                sample_rate: int = SAMPLE_RATE) -> Iterator[tuple[np.ndarray, FrameTruth]]:

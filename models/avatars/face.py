@@ -17,7 +17,8 @@ boxes around the transformed shapes), so metrics can look at the right pixels.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -40,6 +41,24 @@ def _rgb(c: np.ndarray | tuple[float, ...]) -> tuple[int, int, int]:
 
 def _luma(c: tuple[int, int, int]) -> float:
     return 0.299 * c[0] + 0.587 * c[1] + 0.114 * c[2]
+
+
+# Every region the renderer draws, in label order (0 = not part of the head: background, neck,
+# shoulders). ``FaceRenderer.region_masks`` returns one coverage map per name.
+REGIONS: tuple[str, ...] = ("background", "skin", "hair", "brows", "nose", "hat", "earrings", "glasses",
+                            "eyes", "lips", "mouth")
+ACCESSORIES: tuple[str, ...] = ("glasses", "earrings", "hat")
+
+Fill = tuple[int, ...] | int
+
+
+def _colour(region: str, rgba: tuple[int, ...]) -> Fill:
+    """The painter of frames: every shape in its colour (label painters return the region's index)."""
+    return rgba
+
+
+def _label(region: str, rgba: tuple[int, ...]) -> Fill:
+    return REGIONS.index(region)
 
 
 @dataclass(frozen=True)
@@ -108,6 +127,19 @@ class FaceIdentity:
             hat=_ACCENT[int(rng.integers(len(_ACCENT)))] if rng.random() < 0.2 else None,
         )
 
+    @property
+    def accessories(self) -> tuple[str, ...]:
+        """The accessories this identity wears, a subset of :data:`ACCESSORIES` in that order."""
+        worn = {"glasses": bool(self.glasses), "earrings": self.earrings is not None, "hat": self.hat is not None}
+        return tuple(a for a in ACCESSORIES if worn[a])
+
+    def without(self, accessory: str) -> FaceIdentity:
+        """The same person without one accessory (what lies beneath it is drawn instead): the
+        counterfactual ``bench.fidelity`` decides accessory presence against."""
+        if accessory not in ACCESSORIES:
+            raise ValueError(f"accessory={accessory!r}: must be one of {ACCESSORIES}")
+        return replace(self, **{"glasses": 0} if accessory == "glasses" else {accessory: None})
+
 
 @dataclass(frozen=True)
 class HeadPose:
@@ -152,6 +184,7 @@ class FaceRenderer:
         bbox = head2x.getbbox() or (0, 0, self._s2, self._s2)
         self._hbox = (bbox[0] // 2 * 2, bbox[1] // 2 * 2, (bbox[2] + 1) // 2 * 2, (bbox[3] + 1) // 2 * 2)
         self._head1x = head2x.crop(self._hbox).reduce(SS)
+        self._label_layers: tuple[Image.Image, Image.Image | None] | None = None  # drawn on first use
 
     # ---- per-identity layers (drawn once) -------------------------------------------------------
     def _px(self, fx: float, fy: float) -> tuple[float, float]:
@@ -160,7 +193,7 @@ class FaceRenderer:
         return ((i.face_cx + fx) * self._s2 - self._ox, (i.face_cy + fy) * self._s2 - self._oy)
 
     def _ell(self, d: ImageDraw.ImageDraw, fx: float, fy: float, rx: float, ry: float,
-             fill: tuple[int, ...] | None, outline: tuple[int, ...] | None = None, width: int = 0) -> None:
+             fill: Fill | None, outline: Fill | None = None, width: int = 0) -> None:
         x, y = self._px(fx, fy)
         d.ellipse([x - rx * self._s2, y - ry * self._s2, x + rx * self._s2, y + ry * self._s2],
                   fill=fill, outline=outline, width=width)
@@ -191,17 +224,19 @@ class FaceRenderer:
         d.ellipse([nx - nw, sy - 0.02 * self._s2, nx + nw, sy + 0.04 * self._s2], fill=skin_dark)
         return big.reduce(SS).convert("RGBA")
 
-    def _draw_head(self) -> Image.Image:
+    def _draw_head(self, paint: Callable[[str, tuple[int, ...]], Fill] = _colour) -> Image.Image:
+        """The head at 2x: RGBA in colour, or an ``L`` image of region indices when ``paint`` is
+        :func:`_label` (the same shapes in the same order, so labels and pixels agree)."""
         i = self.identity
-        img = Image.new("RGBA", (self._s2, self._s2), (0, 0, 0, 0))
+        img = Image.new("RGBA" if paint is _colour else "L", (self._s2, self._s2), 0 if paint is _label else (0, 0, 0, 0))
         d = ImageDraw.Draw(img)
-        hair = (*i.hair, 255)
-        skin = (*i.skin, 255)
+        hair = paint("hair", (*i.hair, 255))
+        skin = paint("skin", (*i.skin, 255))
         if i.hair_style == 2:  # long hair behind the head
             self._ell(d, 0, -i.face_ry * 0.12, i.face_rx * 1.3, i.face_ry * 1.05, hair)
         if i.hair_style == 3:  # bun
             self._ell(d, 0, -i.face_ry * 1.1, i.face_rx * 0.45, i.face_rx * 0.4, hair)
-        ear = (*_rgb(np.asarray(i.skin) * 0.9), 255)
+        ear = paint("skin", (*_rgb(np.asarray(i.skin) * 0.9), 255))
         for s in (-1, 1):
             self._ell(d, s * i.face_rx * 0.98, -0.01, i.face_rx * 0.16, i.face_ry * 0.2, ear)
         # face: an upper ellipse plus a lower one narrowed by the jaw parameter
@@ -214,13 +249,13 @@ class FaceRenderer:
         if i.hair_style == 4:  # fringe
             self._ell(d, -i.face_rx * 0.3, -i.face_ry * 0.55, i.face_rx * 0.6, i.face_ry * 0.18, hair)
         # brows
-        brow = (*_rgb(np.asarray(i.hair) * 0.8), 255)
+        brow = paint("brows", (*_rgb(np.asarray(i.hair) * 0.8), 255))
         for s in (-1, 1):
             x0, y0 = self._px(s * (i.eye_dx - i.eye_rx), i.eye_y - i.eye_ry * 2.4 + i.brow_tilt)
             x1, y1 = self._px(s * (i.eye_dx + i.eye_rx * 1.1), i.eye_y - i.eye_ry * 2.4 - i.brow_tilt)
             d.line([x0, y0, x1, y1], fill=brow, width=max(2, int(i.brow_thick * self._s2)))
         # nose
-        nose = (*_rgb(np.asarray(i.skin) * 0.72), 255)
+        nose = paint("nose", (*_rgb(np.asarray(i.skin) * 0.72), 255))
         top = self._px(0, i.eye_y + 0.01)
         tip = self._px(0.012, i.mouth_y * 0.55)
         if i.nose_style == 0:
@@ -230,7 +265,7 @@ class FaceRenderer:
             for s in (-1, 1):
                 self._ell(d, s * w, i.mouth_y * 0.58, 0.007, 0.005, nose)
         if i.hat is not None:
-            hat = (*i.hat, 255)
+            hat = paint("hat", (*i.hat, 255))
             x, y = self._px(0, -i.face_ry * 0.62)
             rx = i.face_rx * 1.45 * self._s2
             d.ellipse([x - rx, y - 0.025 * self._s2, x + rx, y + 0.025 * self._s2], fill=hat)
@@ -239,16 +274,16 @@ class FaceRenderer:
             d.chord([cx - crx, cy - cry, cx + crx, cy + cry], 180, 360, fill=hat)
         if i.earrings is not None:
             for s in (-1, 1):
-                self._ell(d, s * i.face_rx * 1.0, i.face_ry * 0.17, 0.012, 0.012, (*i.earrings, 255))
+                self._ell(d, s * i.face_rx * 1.0, i.face_ry * 0.17, 0.012, 0.012, paint("earrings", (*i.earrings, 255)))
         return img
 
-    def _draw_overlay(self) -> Image.Image | None:
+    def _draw_overlay(self, paint: Callable[[str, tuple[int, ...]], Fill] = _colour) -> Image.Image | None:
         i = self.identity
         if not i.glasses:
             return None
-        img = Image.new("RGBA", (self._s2, self._s2), (0, 0, 0, 0))
+        img = Image.new("RGBA" if paint is _colour else "L", (self._s2, self._s2), 0 if paint is _label else (0, 0, 0, 0))
         d = ImageDraw.Draw(img)
-        col = (*i.glasses_color, 255)
+        col = paint("glasses", (*i.glasses_color, 255))
         w = max(2, int(0.008 * self._s2))
         for s in (-1, 1):
             x, y = self._px(s * i.eye_dx, i.eye_y)
@@ -263,37 +298,39 @@ class FaceRenderer:
         return img
 
     # ---- per frame ------------------------------------------------------------------------------
-    def _draw_features(self, d: ImageDraw.ImageDraw, mouth_open: float, mouth_width: float, blink: float) -> None:
+    def _draw_features(self, d: ImageDraw.ImageDraw, mouth_open: float, mouth_width: float, blink: float,
+                       paint: Callable[[str, tuple[int, ...]], Fill] = _colour) -> None:
         i = self.identity
-        white = (245, 245, 240, 255)
+        white = paint("eyes", (245, 245, 240, 255))
         open_eye = max(0.0, 1.0 - blink)
         for s in (-1, 1):
             if open_eye > 0.08:
                 self._ell(d, s * i.eye_dx, i.eye_y, i.eye_rx, i.eye_ry * open_eye, white)
                 ir = min(i.eye_ry * 0.95, i.eye_rx * 0.55)
-                self._ell(d, s * i.eye_dx, i.eye_y, ir, min(ir, i.eye_ry * open_eye * 0.95), (*i.eye_color, 255))
+                self._ell(d, s * i.eye_dx, i.eye_y, ir, min(ir, i.eye_ry * open_eye * 0.95),
+                          paint("eyes", (*i.eye_color, 255)))
                 self._ell(d, s * i.eye_dx, i.eye_y, ir * 0.45, min(ir * 0.45, i.eye_ry * open_eye * 0.5),
-                          (10, 10, 12, 255))
+                          paint("eyes", (10, 10, 12, 255)))
             else:
                 x0, y = self._px(s * i.eye_dx - i.eye_rx, i.eye_y)
                 x1, _ = self._px(s * i.eye_dx + i.eye_rx, i.eye_y)
-                d.line([x0, y, x1, y], fill=(*_rgb(np.asarray(i.skin) * 0.55), 255), width=3)
+                d.line([x0, y, x1, y], fill=paint("eyes", (*_rgb(np.asarray(i.skin) * 0.55), 255)), width=3)
         # mouth: lips, dark interior, upper teeth as a chord covering the top 30 % of the interior
         o = float(np.clip(mouth_open, 0.0, 1.0))
         w = i.mouth_w * (0.85 + 0.3 * float(np.clip(mouth_width, 0.0, 1.0))) * (1 - 0.15 * o)
         h = self.MAX_OPEN * o
-        self._ell(d, 0, i.mouth_y, w * 1.12, h / 2 + 0.012, (*i.lips, 255))
+        self._ell(d, 0, i.mouth_y, w * 1.12, h / 2 + 0.012, paint("lips", (*i.lips, 255)))
         if h * self._s2 >= 1.0:
             x, y = self._px(0, i.mouth_y)
             rx, ry = w * self._s2, h / 2 * self._s2
             box = [x - rx, y - ry, x + rx, y + ry]
-            d.ellipse(box, fill=(*self._interior, 255))
+            d.ellipse(box, fill=paint("mouth", (*self._interior, 255)))
             a = math.degrees(math.asin(0.4))
-            d.chord(box, 180 + a, 360 - a, fill=(238, 234, 222, 255))
+            d.chord(box, 180 + a, 360 - a, fill=paint("mouth", (238, 234, 222, 255)))
         else:
             x0, y = self._px(-w, i.mouth_y)
             x1, _ = self._px(w, i.mouth_y)
-            d.line([x0, y, x1, y], fill=(*_rgb(np.asarray(i.lips) * 0.75), 255), width=2)
+            d.line([x0, y, x1, y], fill=paint("lips", (*_rgb(np.asarray(i.lips) * 0.75), 255)), width=2)
 
     def _affine(self, pose: HeadPose, out_x: int, out_y: int, in_x: float, in_y: float
                 ) -> tuple[float, float, float, float, float, float]:
@@ -350,18 +387,75 @@ class FaceRenderer:
             feat.alpha_composite(self._feat_overlay)
         head = self._head1x.copy()
         head.paste(feat.reduce(SS), ((self._feat[0] - self._hbox[0]) // SS, (self._feat[1] - self._hbox[1]) // SS))
-        # output crop: the head box moved by the pose, plus a margin for rotation
+        (ox0, oy0, ox1, oy1), affine = self._placement(pose)
+        placed = head.transform((ox1 - ox0, oy1 - oy0), Image.Transform.AFFINE, affine,
+                                resample=Image.Resampling.BILINEAR)
+        out = self._background.copy()
+        out.alpha_composite(placed, dest=(ox0, oy0))
+        return np.asarray(out.convert("RGB"))
+
+    def _placement(self, pose: HeadPose) -> tuple[Box, tuple[float, float, float, float, float, float]]:
+        """The output crop the posed head lands in (its box moved by the pose, plus a margin for
+        rotation) and the affine map from that crop to the 1x head crop."""
         hx0, hy0, hx1, hy1 = (v / SS for v in self._hbox)
         pts = [self._forward(pose, x, y) for x in (hx0, hx1) for y in (hy0, hy1)]
         ox0 = max(0, int(min(p[0] for p in pts)) - 1)
         oy0 = max(0, int(min(p[1] for p in pts)) - 1)
         ox1 = min(self.size, int(max(p[0] for p in pts)) + 2)
         oy1 = min(self.size, int(max(p[1] for p in pts)) + 2)
-        placed = head.transform((ox1 - ox0, oy1 - oy0), Image.Transform.AFFINE,
-                                self._affine(pose, ox0, oy0, hx0, hy0), resample=Image.Resampling.BILINEAR)
-        out = self._background.copy()
-        out.alpha_composite(placed, dest=(ox0, oy0))
-        return np.asarray(out.convert("RGB"))
+        return (ox0, oy0, ox1, oy1), self._affine(pose, ox0, oy0, hx0, hy0)
+
+    def region_masks(self, pose: HeadPose = HeadPose(), mouth_open: float = 0.0, mouth_width: float = 0.5,
+                     blink: float = 0.0, names: tuple[str, ...] = REGIONS) -> dict[str, np.ndarray]:
+        """Where each region of :data:`REGIONS` is visible in the frame :meth:`render` draws with the
+        same arguments: ``{name: (size, size) float32 coverage in [0, 1]}`` (occlusion included: a
+        pixel belongs to the shape drawn last). Who calls it: ``bench.fidelity`` (region distances,
+        accessory presence) and tests; a few ms, so training loops do not.
+
+        How: the same shapes in the same order are painted with region indices instead of colours
+        (:func:`_label`) at 2x, box-reduced to 1x (the coverage the colour reduce averages over) and
+        placed with the same bilinear affine warp; ``background`` is what the head does not cover.
+        ``names`` limits the work to some regions (``background`` needs them all)."""
+        unknown = set(names) - set(REGIONS)
+        if unknown:
+            raise ValueError(f"names={sorted(unknown)}: not regions; the regions are {REGIONS}")
+        if "background" in names:
+            names = REGIONS
+        if self._label_layers is None:
+            self._label_layers = (self._draw_head(_label), self._draw_overlay(_label))
+        head2x, overlay2x = self._label_layers
+        feat = head2x.crop(self._feat)
+        self._ox, self._oy = float(self._feat[0]), float(self._feat[1])
+        try:
+            self._draw_features(ImageDraw.Draw(feat), mouth_open, mouth_width, blink, _label)
+        finally:
+            self._ox = self._oy = 0.0
+        lab = head2x.crop(self._hbox)
+        lab.paste(feat, (self._feat[0] - self._hbox[0], self._feat[1] - self._hbox[1]))
+        labels = np.asarray(lab)
+        if overlay2x is not None:
+            over = np.asarray(overlay2x.crop(self._hbox))
+            labels = np.where(over > 0, over, labels)
+        (ox0, oy0, ox1, oy1), affine = self._placement(pose)
+        h2, w2 = labels.shape
+        out: dict[str, np.ndarray] = {}
+        head = np.zeros((self.size, self.size), np.float32)
+        for k, name in enumerate(REGIONS[1:], start=1):
+            if name not in names:
+                continue
+            hit = labels == k
+            if not hit.any():
+                out[name] = np.zeros((self.size, self.size), np.float32)
+                continue
+            cov = hit.astype(np.float32).reshape(h2 // SS, SS, w2 // SS, SS).mean(axis=(1, 3))
+            placed = Image.fromarray(cov, mode="F").transform((ox1 - ox0, oy1 - oy0), Image.Transform.AFFINE, affine,
+                                                               resample=Image.Resampling.BILINEAR)
+            full = np.zeros((self.size, self.size), np.float32)
+            full[oy0:oy1, ox0:ox1] = np.asarray(placed)
+            out[name] = full
+            head += full
+        out["background"] = np.clip(1.0 - head, 0.0, 1.0)
+        return {name: out[name] for name in names}
 
 
 def measure_mouth_opening(frames_THW3: np.ndarray, mouth_box: np.ndarray | Box) -> np.ndarray:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -41,23 +42,47 @@ def write_plan(
     fail_code: str | None = None,
     hang_at: int | None = None,
     hang_once: Path | None = None,
+    as_wav: bool = False,
 ) -> Path:
     """Write the JSON 'audio' file that drives the fake render. ``hang_at``: before that fragment
     the render goes silent for an hour (a deadlocked rank), only while the file ``hang_once`` does
-    not exist yet (it is created when the hang starts), so a retry runs through."""
-    path.write_text(
-        json.dumps(
-            {
-                "num_fragments": num_fragments,
-                "sleep_s": sleep_s,
-                "fail_at": fail_at,
-                "fail_code": fail_code,
-                "hang_at": hang_at,
-                "hang_once": str(hang_once) if hang_once else None,
-            }
-        )
-    )
+    not exist yet (it is created when the hang starts), so a retry runs through. ``as_wav``: a real
+    (silent, 1 s) WAV file that carries the plan in a chunk of its own, for paths that probe the
+    audio before the render (the API's upload check)."""
+    plan = json.dumps(
+        {
+            "num_fragments": num_fragments,
+            "sleep_s": sleep_s,
+            "fail_at": fail_at,
+            "fail_code": fail_code,
+            "hang_at": hang_at,
+            "hang_once": str(hang_once) if hang_once else None,
+        }
+    ).encode()
+    if not as_wav:
+        path.write_bytes(plan)
+        return path
+    fmt = struct.pack("<HHIIHH", 1, 1, 8000, 8000, 1, 8)  # PCM, mono, 8 kHz, 8 bit
+    plan += b" " * (len(plan) % 2)  # RIFF chunks are padded to an even size
+    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt
+    body += b"data" + struct.pack("<I", 8000) + bytes([128]) * 8000
+    body += _PLAN_CHUNK + struct.pack("<I", len(plan)) + plan
+    path.write_bytes(b"RIFF" + struct.pack("<I", len(body)) + body)
     return path
+
+
+_PLAN_CHUNK = b"ltpl"
+
+
+def read_plan(path: Path) -> dict[str, Any]:
+    """The plan :func:`write_plan` wrote (plain JSON, or the plan chunk of its WAV)."""
+    data = path.read_bytes()
+    if data.startswith(b"RIFF"):
+        at = data.index(_PLAN_CHUNK) + 4
+        (size,) = struct.unpack("<I", data[at : at + 4])
+        data = data[at + 4 : at + 4 + size]
+    plan: dict[str, Any] = json.loads(data)
+    return plan
 
 
 def _hang_once(marker: str | None) -> None:
@@ -141,7 +166,7 @@ def render(
     t0 = time.monotonic()
     if not Path(request.image).is_file():
         raise InvalidInputError(f"image: {request.image} does not exist", field="image")
-    plan = json.loads(Path(request.audio).read_text())
+    plan = read_plan(Path(request.audio))
     n, sleep_s = int(plan["num_fragments"]), float(plan["sleep_s"])
     seed = request.seed
     start, acc = 0, _start_state(seed)

@@ -266,6 +266,25 @@ class JobsEnv:
             for a, b, _ in (ln.split() for ln in self.render_log.read_text().split("\n") if ln.strip())
         )
 
+    def api(self, token: str = "outage-token-0123456789", tenant: str = "t1"):  # type: ignore[no-untyped-def]
+        """The production API app on this env's database, broker and object store, driven
+        in-process (``fastapi.testclient.TestClient``); ``token`` authenticates as ``tenant``."""
+        from fastapi.testclient import TestClient
+
+        from worker.api.app import create_app
+
+        settings = self.settings.model_copy(update={"api_tokens": {token: tenant}})
+        client = TestClient(create_app(settings), raise_server_exceptions=False)
+        client.headers["Authorization"] = f"Bearer {token}"
+        return client
+
+    def api_spec(self, *, seed: int, num_fragments: int, sleep_s: float) -> dict[str, object]:
+        """A JSON job spec for :meth:`api` running the fake render (same inputs as :meth:`submit`)."""
+        plan = fake_pipeline.write_plan(
+            self.tmp / "in" / f"plan-{seed}.json", num_fragments=num_fragments, sleep_s=sleep_s
+        )
+        return {"image": f"file://{self.tmp}/in/face.png", "audio": f"file://{plan}", "seed": seed}
+
     def final_bytes(self, rec: JobRecord) -> bytes:
         uri = rec.outputs["mp4"]
         assert uri.startswith("file://"), uri

@@ -26,7 +26,7 @@ import uvicorn
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine
 
-from tests.integration import kvs_standin
+from tests.integration import api_media, kvs_standin
 from tests.integration.s3_fixtures import MotoServer
 from worker.api import uploads as api_module
 from worker.api.app import create_app
@@ -138,6 +138,10 @@ def api(pg_engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         file_root=file_root,
         api_tokens={TOKEN_A: "tenant-a", TOKEN_B: "tenant-b"},
         upload_max_bytes=64 * 1024,
+        input_grants={"*": ["s3://inputs-bucket/"], "tenant-a": ["s3://assets-a/faces/"]},
+        max_audio_s=10.0,
+        api_rate_per_s=1000.0,
+        api_rate_burst=1000,
     )
     objects = LocalObjectStore(base / "objects")
     app = create_app(settings, engine=pg_engine, objects=objects, celery=create_celery_app(settings))
@@ -340,7 +344,7 @@ def test_another_tenants_job_is_404_exactly_like_a_missing_one(api: Api) -> None
 
 def test_upload_of_another_tenant_cannot_be_referenced(api: Api) -> None:
     with api.client(TOKEN_B) as b:
-        resp = b._req("POST", "/v1/uploads", files={"file": ("a.png", b"\x89PNG..", "image/png")})
+        resp = b._req("POST", "/v1/uploads", files={"file": ("a.png", api_media.png(), "image/png")})
     uri = resp.json()["uri"]
     assert api.objects.exists(upload_key("tenant-b", uri.removeprefix("upload://")))
     with api.client(TOKEN_A) as a, pytest.raises(LongtakeAPIError) as exc:
@@ -354,8 +358,8 @@ def test_upload_of_another_tenant_cannot_be_referenced(api: Api) -> None:
 
 def test_multipart_submit_stores_uploads_under_the_tenant_and_queues(api: Api, tmp_path: Path) -> None:
     image, audio = tmp_path / "face.png", tmp_path / "speech.wav"
-    image.write_bytes(b"\x89PNG fake image bytes")
-    audio.write_bytes(b"RIFF fake audio bytes")
+    image.write_bytes(api_media.png())
+    audio.write_bytes(api_media.wav())
     with api.client() as c:
         job = c.submit({"text": "studio", "seed": 3}, image=image, audio=audio)
     assert str(job.spec["image"]).startswith("upload://") and str(job.spec["audio"]).startswith("upload://")
@@ -370,7 +374,7 @@ def test_large_upload_is_streamed_as_a_multipart_object(
 ) -> None:
     monkeypatch.setattr(api_module, "UPLOAD_PART_BYTES", 16 * 1024)  # 40 KiB -> parts of 16+16+8 KiB
     audio = tmp_path / "speech.wav"
-    audio.write_bytes(bytes(range(256)) * 160)
+    audio.write_bytes(api_media.wav(seconds=5.0))  # 40 kB
     with api.client() as c:
         job = c.submit({"image": "s3://inputs-bucket/a.png"}, audio=audio)
     key = upload_key("tenant-a", str(job.spec["audio"]).removeprefix("upload://"))
@@ -390,7 +394,7 @@ def test_multipart_with_a_bad_spec_stores_and_queues_nothing(api: Api, tmp_path:
 
 def test_multipart_over_the_size_limit_is_413(api: Api, tmp_path: Path) -> None:
     image = tmp_path / "big.png"
-    image.write_bytes(b"0" * (64 * 1024 + 1))
+    image.write_bytes(api_media.png(160, 160)[:8] + b"0" * (64 * 1024 + 1))
     with api.client() as c, pytest.raises(LongtakeAPIError) as exc:
         c.submit({"audio": "s3://inputs-bucket/a.wav"}, image=image)
     assert exc.value.status_code == 413 and "LONGTAKE_UPLOAD_MAX_BYTES" in exc.value.message
@@ -530,7 +534,10 @@ def _playlist_uris(text_: str) -> list[str]:
 def test_preview_hls_and_none(api: Api) -> None:
     with api.client() as c:
         job = c.submit(_spec())
-        assert c.preview(job.id).kind == "none"
+        early = c.preview(job.id)  # before the first segment: the link already, the page waits
+        assert early.kind == "hls" and early.url and early.page_url and "no segment yet" in early.detail
+        waiting = httpx.get(early.url)
+        assert waiting.status_code == 404 and waiting.headers["access-control-allow-origin"] == "*"
         media = _put_preview(api.objects, job_prefix("tenant-a", job.id))
         view = c.preview(job.id)
         assert view.kind == "hls" and view.url and view.expires_s == api.settings.presign_expires_s
@@ -539,8 +546,14 @@ def test_preview_hls_and_none(api: Api) -> None:
         assert resp.status_code == 200 and resp.headers["content-type"].startswith(
             "application/vnd.apple.mpegurl"
         )
+        assert resp.headers["access-control-allow-origin"] == "*"  # a page elsewhere may read it
         uris = _playlist_uris(resp.text)
-        assert [Path(u.removeprefix("file://")).read_bytes() for u in uris] == list(media.values())
+        # a file:// store: the API serves the segments itself (players refuse file:// URLs)
+        assert all(u.startswith(f"{api.url}/v1/jobs/{job.id}/preview/") for u in uris), uris
+        assert [httpx.get(u).content for u in uris] == list(media.values())
+        assert httpx.get(uris[0].replace("sig=", "sig=0")).status_code == 403
+        page = httpx.get(view.page_url or "")
+        assert page.status_code == 200 and "MediaSource" in page.text
         tampered = view.url.replace("sig=", "sig=0")
         assert httpx.get(tampered).status_code == 403
         expired = httpx.get(view.url.split("?")[0], params={"exp": int(time.time()) - 1, "sig": "0" * 64})
@@ -661,7 +674,9 @@ def test_healthz_503_when_broker_or_database_is_down(pg_engine: Engine, tmp_path
             server.should_exit = True
             thread.join(timeout=10)
         assert resp.status_code == 503, resp.text
-        assert resp.json()[broken].startswith("error") and resp.json()["status"] == "unavailable"
+        assert resp.json()[broken] == "unavailable" and resp.json()["status"] == "unavailable"
+        assert str(dead_port) not in resp.text and "127.0.0.1" not in resp.text  # no host, port, error text
+        assert resp.headers["retry-after"] == "5"
 
 
 def test_openapi_documents_the_job_spec_and_routes(api: Api) -> None:

@@ -158,3 +158,64 @@ def test_dataset_items() -> None:
     assert int(item["identity"]) < IDENTITY_SPLITS["train"][1]
     with pytest.raises(IndexError):
         ds[4]
+
+
+# identities with each accessory (held-out seeds): glasses, earrings, hat, hair
+_GLASSES, _EARRINGS, _HAT, _HAIR = 1_000_000, 1_000_001, 1_000_006, 1_000_003
+
+
+@pytest.mark.parametrize("seed", [_GLASSES, _EARRINGS, _HAT, _HAIR])
+def test_region_masks_match_the_pixels(seed: int) -> None:
+    """Masks cover every pixel once, background pixels are the background plate, and a pixel a
+    region covers fully has that region's colour."""
+    from models.avatars.face import REGIONS
+
+    idn = FaceIdentity.sample(seed)
+    r = FaceRenderer(idn)
+    pose = HeadPose(3.3, -2.1, 2.5, 1.02)
+    img = r.render(pose, 0.8, 0.4, 0.0)
+    m = r.region_masks(pose, 0.8, 0.4, 0.0)
+    assert tuple(m) == REGIONS
+    total = sum(m.values())
+    assert np.abs(total - 1).max() < 1e-4
+    plate = np.asarray(r._background.convert("RGB"))
+    assert np.array_equal(img[m["background"] > 0.999], plate[m["background"] > 0.999])
+    colours = {"skin": idn.skin, "hat": idn.hat, "earrings": idn.earrings,
+               "glasses": idn.glasses_color if idn.glasses else None,
+               "hair": idn.hair if idn.hair_style else None}
+    for name, colour in colours.items():
+        core = m[name] > 0.999
+        if colour is None:
+            assert not core.any(), name
+            continue
+        if name == "skin":  # ears are drawn at 0.9x the skin: take the face's colour
+            assert (np.abs(img[core].astype(int) - colour).max(axis=-1) <= 1).mean() > 0.8
+        else:
+            err = np.abs(img[core].astype(int) - colour).max(axis=-1)  # bilinear rounding: a level or two
+            assert core.sum() > 10 and (err <= 1).mean() > 0.98 and err.max() <= 3, name
+    for name in idn.accessories:
+        assert m[name].sum() > 20
+    # the interior of an open mouth is there and dark; closed, it is gone
+    assert (m["mouth"] > 0.5).sum() > 100
+    assert r.region_masks(pose, 0.0, 0.4, 0.0, names=("mouth",))["mouth"].sum() == 0
+
+
+@pytest.mark.parametrize("seed,accessory", [(_GLASSES, "glasses"), (_EARRINGS, "earrings"), (_HAT, "hat")])
+def test_identity_without_an_accessory_changes_only_its_pixels(seed: int, accessory: str) -> None:
+    idn = FaceIdentity.sample(seed)
+    assert accessory in idn.accessories and accessory not in idn.without(accessory).accessories
+    pose = HeadPose(-2.0, 0.0, 0.0, 1.0)  # integer shifts: posed crops clip differently once a hat is gone
+    with_ = FaceRenderer(idn).render(pose, 0.5, 0.5, 0.0).astype(int)
+    without = FaceRenderer(idn.without(accessory)).render(pose, 0.5, 0.5, 0.0).astype(int)
+    cover = FaceRenderer(idn).region_masks(pose, 0.5, 0.5, 0.0)[accessory]
+    changed = np.abs(with_ - without).max(axis=-1) > 0
+    assert changed.any() and not changed[cover == 0].any()
+    with pytest.raises(ValueError, match="accessory='scarf'"):
+        idn.without("scarf")
+
+
+def test_frame_truth_carries_pose_and_expression() -> None:
+    r = AvatarRenderer(_GLASSES, motion_seed=3)
+    img, truth = r.frame(40, 0.6, 0.2)
+    assert truth.pose == r.motion.pose(40) and truth.blink == r.motion.blink(40) and truth.mouth_width == 0.2
+    assert np.array_equal(img, r.face.render(truth.pose, 0.6, 0.2, truth.blink))

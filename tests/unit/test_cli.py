@@ -3,6 +3,7 @@ hand-off (which must not import Celery or SQLAlchemy), and the embedded (`up`) s
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -260,6 +261,7 @@ def test_up_then_submit_wait_fetch_on_embedded_defaults(
     sys.path.insert(0, str(ROOT / "tests" / "integration"))
     import fake_pipeline
     from jobs_harness import settings_from_env
+    from PIL import Image
 
     home = tmp_path / "home"
     port = _free_port()
@@ -293,9 +295,9 @@ def test_up_then_submit_wait_fetch_on_embedded_defaults(
         )
         token = (home / "token").read_text().strip()
         image = tmp_path / "face.png"
-        image.write_bytes(b"\x89PNG not really")
-        audio = tmp_path / "plan.json"
-        fake_pipeline.write_plan(audio, num_fragments=4, sleep_s=0.3)
+        Image.new("RGB", (96, 96), (90, 60, 40)).save(image)  # the API probes uploads at submit
+        audio = tmp_path / "plan.wav"
+        fake_pipeline.write_plan(audio, num_fragments=4, sleep_s=0.3, as_wav=True)
         conn = ["--api", url, "--token", token]
         capsys.readouterr()
         assert cli.main(["submit", "--image", str(image), "--audio", str(audio), "--seed", "5", *conn]) == 0
@@ -378,3 +380,223 @@ print(json.dumps({{"rc": rc, "heavy": heavy}}))
     )
     assert "--audio" in out.stdout  # the render parser's own help
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"rc": 0, "heavy": []}
+
+
+# ---------------------------------------------------------------------------------------------- issue 18: as printed
+
+
+def start_up(home: Path, port: int, log: Path, *extra: str) -> subprocess.Popen[str]:
+    """`longtake up` as a user starts it (the venv's script when there is one), stdout piped so the
+    banner can be read line by line; everything else goes to ``log``."""
+    script = Path(sys.executable).with_name("longtake")
+    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "worker.cli"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LONGTAKE_LOG_JSON": "false", "LONGTAKE_LOG_LEVEL": "WARNING",
+           "PYTHONUNBUFFERED": "1"}
+    for key in ("LONGTAKE_API_URL", "LONGTAKE_API_TOKEN", "LONGTAKE_API_TOKENS"):
+        env.pop(key, None)
+    return subprocess.Popen([*cmd, "up", "--home", str(home), "--port", str(port), *extra], env=env,
+                            cwd=home.parent, stdout=subprocess.PIPE, stderr=log.open("wb"), text=True)
+
+
+def read_banner(proc: subprocess.Popen[str], timeout_s: float = 90.0) -> list[str]:
+    """The lines `longtake up` prints, up to its last command (`... fetch JOB ...`); a reader thread,
+    so a banner that never comes fails after ``timeout_s`` instead of blocking on readline."""
+    import queue
+    import threading
+
+    assert proc.stdout is not None
+    stdout = proc.stdout
+    lines_q: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        for line in stdout:
+            lines_q.put(line.rstrip("\n"))
+        lines_q.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines_q.get(timeout=left)
+        except queue.Empty:
+            break
+        if line is None:
+            raise AssertionError(f"`longtake up` exited ({proc.poll()}) after printing {lines}")
+        lines.append(line)
+        if " fetch JOB" in line:
+            return lines
+    raise AssertionError(f"no complete banner after {timeout_s} s: {lines}")
+
+
+def banner_env(lines: list[str]) -> dict[str, str]:
+    """The environment after running the banner's `export A=1 B=2` line in a shell."""
+    import shlex
+
+    (export,) = [ln.strip() for ln in lines if ln.strip().startswith("export ")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LONGTAKE_")}
+    env["PYTHONPATH"] = str(ROOT)
+    for word in shlex.split(export)[1:]:
+        key, _, value = word.partition("=")
+        env[key] = value
+    return env
+
+
+def banner_command(lines: list[str], verb: str) -> list[str]:
+    import shlex
+
+    (line,) = [ln.split("#")[0].strip() for ln in lines if f" {verb} " in ln and not ln.strip().startswith("export")]
+    return shlex.split(line)
+
+
+def stop(proc: subprocess.Popen[str]) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=40)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+
+
+def test_up_banner_commands_work_as_printed(tmp_path: Path) -> None:
+    """Issue 18 item 1: `longtake up` prints an export line and a submit; pasted into a shell, that
+    submit reaches the API with the token (on main it failed: 'no API token')."""
+    home = tmp_path / "home"
+    home.mkdir()
+    port = _free_port()
+    proc = start_up(home, port, tmp_path / "up.log", "--no-worker")
+    try:
+        lines = read_banner(proc)
+        env = banner_env(lines)
+        assert env["LONGTAKE_API_URL"] == f"http://127.0.0.1:{port}"
+        submit = banner_command(lines, "submit")
+        assert "longtake" in submit[0] or submit[1:3] == ["-m", "worker.cli"]
+        assert Path(submit[0]).is_file() or shutil_which(submit[0]), f"{submit[0]} is not a command here"
+        assert Path(submit[submit.index("--image") + 1]).is_file()  # the printed inputs exist
+        submit.remove("--wait")  # no worker in this test: the slow test below waits for a real one
+        out = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        job_id = out.stdout.strip()
+        status = subprocess.run([*submit[: submit.index("submit")], "status", job_id], env=env,
+                                capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert status.returncode == 0 and "queued" in status.stdout, status.stderr
+        assert "HTTP Request" not in out.stderr + status.stderr  # no httpx INFO noise (item 7)
+    finally:
+        rc = stop(proc)
+    assert rc == 0, (tmp_path / "up.log").read_text()[-3000:]
+
+
+def shutil_which(name: str) -> str | None:
+    import shutil
+
+    return shutil.which(name)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("tenantA:tokenA-0123456789", {"tokenA-0123456789": "tenantA"}),
+        ("a:tok-aaaaaaaaaa, b:tok-bbbbbbbbbb", {"tok-aaaaaaaaaa": "a", "tok-bbbbbbbbbb": "b"}),
+        ('{"tok-cccccccccc": "c"}', {"tok-cccccccccc": "c"}),
+    ],
+)
+def test_api_tokens_env_accepts_the_documented_forms(
+    value: str, expected: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 1: the auth docstring's `LONGTAKE_API_TOKENS="tenantA:tokenA"` parses (it crashed with an
+    opaque SettingsError), and so does the JSON object of docs/api.md."""
+    from worker.settings import Settings
+
+    monkeypatch.setenv("LONGTAKE_API_TOKENS", value)
+    assert Settings().api_tokens == expected
+
+
+def test_bad_api_tokens_env_names_variable_and_format(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("LONGTAKE_API_TOKENS", "s3cr3t-token-without-tenant")
+    assert cli.main(["status", "--api", "http://127.0.0.1:9", "--token", "t" * 16]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "LONGTAKE_API_TOKENS" in err and "tenant:token" in err and "JSON object" in err
+    assert "s3cr3t-token-without-tenant" not in err  # a token is a secret: the message shows its start only
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_every_subcommand_help_has_a_description_and_its_defaults(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Item 7: `--help` of every command says what it does (a description paragraph, not only the
+    usage line) and shows every default."""
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    out = capsys.readouterr().out
+    description = out.split("\n\n")[1]
+    assert not description.lstrip().startswith(("options:", "positional arguments:")), out
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    flat = " ".join(out.split())
+    for action in sub._actions:
+        if action.default not in (None, False, argparse.SUPPRESS) and action.option_strings:
+            assert "default" in (action.help or "") or f"(default: {action.default})" in flat, action.dest
+
+
+class _FinishedJobClient:
+    """Stands in for LongtakeClient.wait on a job that ended before `longtake wait` looked."""
+
+    def wait(self, job_id: str, *, poll_s: float, timeout_s: float | None, on_update: object) -> object:
+        from worker.client import JobView, ProgressView
+
+        job = JobView(id=job_id, tenant="local", status="succeeded",
+                      progress=ProgressView(chunks_done=17, num_chunks=17, frames_done=272, seconds_done=10.9))
+        on_update(job)  # type: ignore[operator]
+        return job
+
+
+def test_wait_on_a_finished_job_prints_no_absurd_rates(capsys: pytest.CaptureFixture[str]) -> None:
+    """Item 7: on main this printed '694162 chunk/s ... 0.0 fps' (17 chunks 'done' in 0 s)."""
+    rc = cli._wait(_FinishedJobClient(), "j" * 36, timeout_s=None, poll_s=0.1, progress=True)  # type: ignore[arg-type]
+    out, err = capsys.readouterr()
+    assert rc == 0 and "succeeded" in out and "chunks 17/17" in out
+    assert "chunk/s" not in err and "0.0 fps" not in err, err
+
+
+@pytest.mark.slow  # `up` starts migrate, a real worker (torch, tiny preset) and the API: ~1-2 min on 2 cores
+def test_first_hour_as_printed_up_export_submit_wait_preview_fetch(tmp_path: Path) -> None:
+    """Issue 18 acceptance: the `longtake up` banner followed literally on the embedded defaults with
+    the real worker and the real pipeline — export, submit --wait, preview (the page plays in
+    headless Chromium), fetch."""
+    import re as _re
+
+    from tests.integration.test_delivery_preview_page import CHROMIUM, page_state
+
+    home = tmp_path / "home"
+    home.mkdir()
+    port = _free_port()
+    proc = start_up(home, port, tmp_path / "up.log")
+    try:
+        lines = read_banner(proc)
+        env = banner_env(lines)
+        submit = banner_command(lines, "submit")
+        done = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:] + (tmp_path / "up.log").read_text()[-3000:]
+        job_id = done.stdout.split()[0]
+        assert "succeeded" in done.stdout
+        lt = submit[: submit.index("submit")]
+        preview = subprocess.run([*lt, "preview", job_id], env=env, capture_output=True, text=True, timeout=120)
+        assert preview.returncode == 0, preview.stderr
+        (url,) = preview.stdout.split()
+        if CHROMIUM is not None:
+            state, detail = page_state(url, tmp_path)
+            assert state == "complete", detail
+            seconds = float(_re.search(r"([\d.]+) s buffered", detail).group(1))  # type: ignore[union-attr]
+            assert seconds > 5, detail  # assets/demo/speech.wav: ~10 s
+        fetch = banner_command(lines, "fetch")
+        fetch[fetch.index("JOB")] = job_id
+        got = subprocess.run(fetch, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert got.returncode == 0, got.stderr
+        video = tmp_path / "out.mp4"
+        assert video.read_bytes()[4:8] == b"ftyp"
+    finally:
+        rc = stop(proc)
+    assert rc == 0, (tmp_path / "up.log").read_text()[-3000:]

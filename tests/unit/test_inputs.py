@@ -21,6 +21,7 @@ from pipeline.inputs import (
     MIN_IMAGE_SIDE,
     AudioSource,
     load_reference_image,
+    probe_audio_channels,
     validate_hls_directory,
     validate_output_path,
 )
@@ -310,7 +311,76 @@ def test_validate_output_path(tmp_path: Path) -> None:
 def test_validate_hls_directory(tmp_path: Path) -> None:
     assert validate_hls_directory(tmp_path / "hls") == (tmp_path / "hls").resolve()
     (tmp_path / "hls" / "index.m3u8").write_text("#EXTM3U\n")
-    with pytest.raises(InvalidInputError, match="not empty"):
+    with pytest.raises(InvalidInputError, match="already holds a render.*--force"):
         validate_hls_directory(tmp_path / "hls")
     with pytest.raises(InvalidInputError, match="is a file"):
         validate_hls_directory(tmp_path / "hls" / "index.m3u8")
+
+
+# ------------------------------------------------------------------------------ issue 18: one output rule, RGBA
+
+
+def test_existing_outputs_follow_one_rule_refused_unless_overwrite(tmp_path: Path) -> None:
+    """Item 3: an existing out.mp4 is refused like a non-empty --hls directory; ``overwrite``
+    (--force) allows both: the MP4 is replaced at success, the earlier HLS render's files removed."""
+    out = tmp_path / "out.mp4"
+    out.write_bytes(b"an earlier video")
+    with pytest.raises(InvalidInputError) as e:
+        validate_output_path(out)
+    assert e.value.field == "out" and "already exists" in e.value.message and "--force" in e.value.message
+    assert validate_output_path(out, overwrite=True) == out.resolve() and out.read_bytes() == b"an earlier video"
+
+    hls = tmp_path / "hls"
+    hls.mkdir()
+    for name in ("index.m3u8", "init.mp4", "seg_00000.m4s", "seg_00001.m4s", "FAILED"):
+        (hls / name).write_bytes(b"x")
+    with pytest.raises(InvalidInputError, match="--force"):
+        validate_hls_directory(hls)
+    assert validate_hls_directory(hls, overwrite=True) == hls.resolve() and list(hls.iterdir()) == []
+    (hls / "notes.txt").write_text("mine")  # never removed, even with --force
+    with pytest.raises(InvalidInputError) as e:
+        validate_hls_directory(hls, overwrite=True)
+    assert e.value.field == "hls" and "notes.txt" in e.value.message
+    assert (hls / "notes.txt").exists()
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA"])
+def test_fully_opaque_alpha_is_accepted(tmp_path: Path, mode: str) -> None:
+    """Item 5: screenshots and exports carry an alpha channel that is 255 everywhere: no guess is
+    needed, so they load exactly like the same image without alpha."""
+    rgb = Image.fromarray(gradient())
+    rgb.convert(mode).save(tmp_path / "opaque.png")
+    assert Image.open(tmp_path / "opaque.png").mode == mode
+    rgb.convert(mode[0] if mode == "LA" else "RGB").save(tmp_path / "plain.png")
+    out = load_reference_image(tmp_path / "opaque.png", 64, 64)
+    assert np.array_equal(out, load_reference_image(tmp_path / "plain.png", 64, 64))
+
+
+def test_palette_image_with_unused_transparent_index_is_accepted(tmp_path: Path) -> None:
+    pal = Image.fromarray(gradient()).quantize(16)
+    unused = next(i for i in range(256) if i not in set(np.asarray(pal).ravel().tolist()))
+    pal.save(tmp_path / "p.png", transparency=unused)
+    assert load_reference_image(tmp_path / "p.png", 64, 64).shape == (64, 64, 3)
+
+
+def test_probe_audio_is_fast_and_its_errors_read_well(tmp_path: Path) -> None:
+    """Item 4/7: the torch-free audio check the CLI runs first; no "[Errno 1094995529]" in its words."""
+    wav = tmp_path / "tone.wav"
+    with wave.open(str(wav), "wb") as w:
+        w.setnchannels(2)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(b"\x01\x00" * 2 * 1600)
+    assert probe_audio_channels(wav) == 2
+    bad = tmp_path / "bad.wav"
+    bad.write_bytes(b"RIFF\x24\x00\x00\x00WAVEfmt " + b"\xff" * 40)
+    with pytest.raises(InvalidInputError) as e:
+        probe_audio_channels(bad)
+    assert e.value.field == "audio" and str(bad) in e.value.message and "Errno" not in e.value.message
+    with pytest.raises(InvalidInputError, match="zero length"):
+        empty = tmp_path / "empty.wav"
+        with wave.open(str(empty), "wb") as w:
+            w.setnchannels(1)
+            w.setsampwidth(2)
+            w.setframerate(16000)
+        probe_audio_channels(empty)

@@ -3,8 +3,14 @@ non-zero exit, and no file left that looks like a finished output. And one good 
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import signal
 import struct
+import subprocess
+import sys
+import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -56,7 +62,12 @@ def case_one_pixel(tmp: Path, audio: Path) -> tuple[list[str], str, str]:
 
 
 def case_alpha(tmp: Path, audio: Path) -> tuple[list[str], str, str]:
-    return ["--image", str(_image(tmp, "a.png", "RGBA")), "--audio", str(audio)], "image", "alpha"
+    im = Image.open(_image(tmp, "a.png", "RGBA"))
+    alpha = np.full((im.height, im.width), 255, dtype=np.uint8)
+    alpha[:8, :8] = 254  # one corner barely see-through: still transparency, still refused
+    im.putalpha(Image.fromarray(alpha))
+    im.save(tmp / "a.png")
+    return ["--image", str(tmp / "a.png"), "--audio", str(audio)], "image", "transparent pixels"
 
 
 def case_cmyk(tmp: Path, audio: Path) -> tuple[list[str], str, str]:
@@ -131,3 +142,113 @@ def test_good_render_writes_mp4_and_summary(tmp_path: Path, speech, capsys) -> N
     assert out.is_file() and out.stat().st_size > 1000
     assert "time to first frame" in captured.out and "peak memory" in captured.out
     assert "#EXT-X-ENDLIST" in (hls / "index.m3u8").read_text()
+
+
+# ---------------------------------------------------------------------------------------------- issue 18 items 3-4, 7
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_render(*argv: str, cwd: Path) -> subprocess.Popen[str]:
+    """`longtake render ...` as a user runs it: its own process (the venv's script when present)."""
+    script = Path(sys.executable).with_name("longtake")
+    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "worker.cli"]
+    return subprocess.Popen([*cmd, "render", *argv], cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_during_render_removes_partial_and_prints_one_line(
+    sig: signal.Signals, code: int, tmp_path: Path, speech
+) -> None:  # type: ignore[no-untyped-def]
+    """SIGTERM (a service manager, `kill`) or Ctrl-C while the MP4 grows: OUT.partial disappears, as
+    the README says; one line on stderr, no traceback; exit 128 + signal. On main SIGTERM left the
+    partial behind and SIGINT printed a 40-line traceback."""
+    out = tmp_path / "talk.mp4"
+    proc = run_render("--image", str(DEMO_IMAGE), "--audio", str(speech(30.0)), "--out", str(out), "--quiet",
+                      cwd=tmp_path)
+    partial = Path(str(out) + ".partial")
+    deadline = time.monotonic() + 120
+    while not (partial.exists() and partial.stat().st_size > 0):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no OUT.partial after 120 s"
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    assert not partial.exists() and not out.exists()
+    assert "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert lines == [f"longtake render: stopped by {sig.name}; nothing written (talk.mp4.partial removed)"], err
+
+
+def test_existing_out_is_refused_unless_force(tmp_path: Path, speech, capsys) -> None:  # type: ignore[no-untyped-def]
+    """The one rule for both outputs: an existing OUT (like a --hls directory holding a render) is
+    refused, untouched; with --force it is replaced by the new render."""
+    out = tmp_path / "v.mp4"
+    out.write_bytes(b"yesterday's video")
+    audio = speech(0.5)
+    code = main(["--image", str(DEMO_IMAGE), "--audio", str(audio), "--out", str(out), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "[out]" in err and "already exists" in err and "--force" in err
+    assert out.read_bytes() == b"yesterday's video"
+    assert main(["--image", str(DEMO_IMAGE), "--audio", str(audio), "--out", str(out), "--quiet", "--force"]) == 0
+    assert out.read_bytes()[4:8] == b"ftyp"
+
+
+def test_bad_input_fails_before_torch_is_imported(tmp_path: Path) -> None:
+    """Input checks run first: a bad image, a bad audio file or an over-long text never import
+    torch (on main, `import torch` came first: 7-11 s on a busy machine before the error)."""
+    code = f"""
+import sys, json
+sys.path.insert(0, {str(ROOT)!r})
+from worker.cli import main
+bad_wav = {str(tmp_path / 'bad.wav')!r}
+open(bad_wav, 'wb').write(b'RIFF\\x24\\x00\\x00\\x00WAVEfmt ' + b'\\xff' * 40)
+codes = [main(['render', '--image', {str(tmp_path / 'nope.png')!r}, '--audio', bad_wav, '--out', 'o.mp4']),
+         main(['render', '--image', {str(DEMO_IMAGE)!r}, '--audio', bad_wav, '--out', 'o.mp4']),
+         main(['render', '--image', {str(DEMO_IMAGE)!r}, '--audio', bad_wav, '--out', 'o.mp4', '--text', 'x' * 3000])]
+print(json.dumps({{"codes": codes, "torch": "torch" in sys.modules}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"codes": [2, 2, 2], "torch": False}, out.stderr
+    assert "[image]" in out.stderr and "[audio]" in out.stderr and "[text]" in out.stderr
+    assert "Errno" not in out.stderr
+
+
+def test_render_help_states_defaults_rules_and_presets(capsys) -> None:  # type: ignore[no-untyped-def]
+    from models.presets import PRESETS as TINY_PRESETS
+    from pipeline.families import FAMILIES
+    from pipeline.families.wan.presets import PRESETS as WAN_PRESETS
+    from pipeline.request import MAX_TEXT_CHARS
+    from worker.cli.render import PRESET_NAMES
+
+    assert {k: set(v) for k, v in PRESET_NAMES.items()} == {"tiny": set(TINY_PRESETS), "wan": set(WAN_PRESETS)}
+    assert set(PRESET_NAMES) == set(FAMILIES.names())
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for words in ["(default: 0)", f"at most {MAX_TEXT_CHARS} characters", "must end in .mp4", "--force",
+                  "infinitetalk", "1.3b", "stereo", "(default: tiny)"]:
+        assert words in text, words
+    with pytest.raises(SystemExit) as exc:
+        main(["--image", "a.png", "--audio", "a.wav", "--out", "o.mp4", "--threads", "0"])
+    assert exc.value.code == 2 and "--threads: must be at least 1" in capsys.readouterr().err
+
+
+def test_stereo_input_is_said_to_be_mixed_to_mono(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import wave
+
+    stereo = tmp_path / "stereo.wav"
+    with wave.open(str(stereo), "wb") as w:
+        w.setnchannels(2)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes((np.sin(np.arange(8000) / 5) * 8000).astype("<i2").repeat(2).tobytes())
+    assert main(["--image", str(DEMO_IMAGE), "--audio", str(stereo), "--out", str(tmp_path / "s.mp4"),
+                 "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert "2 channels" in captured.err and "mono mix" in captured.err
+    # start-up and the render's own time to first frame, each named for what it measures
+    assert "after launch" in captured.out and "render's own time to first frame" in captured.out

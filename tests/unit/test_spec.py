@@ -109,3 +109,62 @@ def test_settings_guard_long_jobs_and_celery_config() -> None:
     assert conf["task_acks_late"] and conf["task_reject_on_worker_lost"] and conf["task_ignore_result"]
     assert conf["accept_content"] == ["json"] and conf["broker_connection_retry_on_startup"]
     assert conf["broker_transport_options"]["visibility_timeout"] == 7200 > s.max_job_s
+
+
+def test_strict_types_refuse_coercion() -> None:
+    for bad in ({"seed": "7"}, {"seed": True}, {"seed": 7.0}, {"priority": "9"}, {"preview": {"hls": "yes"}}):
+        msg = _err({**GOOD, **bad})
+        assert next(iter(bad)) in msg
+
+
+def test_preset_must_belong_to_the_family() -> None:
+    msg = _err({**GOOD, "preset": "huge"})
+    assert "preset" in msg and "'tiny'" in msg
+    assert JobSpec.model_validate({**GOOD, "family": "wan", "preset": "infinitetalk"}).preset == "infinitetalk"
+    assert "preset" in _err({**GOOD, "family": "tiny", "preset": "infinitetalk"})
+
+
+def test_file_root_is_not_shown_in_the_refusal(tmp_path: Path) -> None:
+    root = tmp_path / "secret-inputs"
+    root.mkdir()
+    msg = _err({**GOOD, "image": "file:///etc/passwd"}, spec_context(root))
+    assert "outside the allowed root" in msg and str(root) not in msg
+
+
+def test_input_grants_per_tenant_and_job_store() -> None:
+    from worker.access import InputGrants, InputRefusedError
+    from worker.settings import Settings
+
+    grants = InputGrants.from_settings(
+        Settings(
+            object_store_url="s3://jobs/base",
+            input_grants={"tenant-a": ["s3://assets/a/"], "*": ["s3://public/"], "tenant-b": ["s3://jobs/"]},
+        )
+    )
+    grants.check("tenant-a", "image", "s3://assets/a/face.png")
+    grants.check("tenant-b", "image", "s3://public/face.png")
+    grants.check("tenant-b", "image", "upload://abcdef123456")
+    grants.check("tenant-b", "image", "s3://jobs/base/tenants/tenant-b/uploads/x")
+    for tenant, uri in [
+        ("tenant-b", "s3://assets/a/face.png"),  # another tenant's grant
+        ("tenant-a", "s3://assets/ab/face.png"),  # a prefix is a directory, not a string prefix
+        ("tenant-a", "s3://public-evil/face.png"),
+        ("tenant-b", "s3://jobs/base/tenants/tenant-a/jobs/j/final.mp4"),  # granted bucket, other tenant
+    ]:
+        with pytest.raises(InputRefusedError, match="image"):
+            grants.check(tenant, "image", uri)
+    with pytest.raises(ValidationError, match="LONGTAKE_INPUT_GRANTS"):
+        Settings(input_grants={"tenant-a": ["s3://assets/no-slash"]})
+
+
+def test_token_bucket_refills_at_its_rate() -> None:
+    from worker.api.gate import TokenBucket
+
+    now = [0.0]
+    bucket = TokenBucket(2.0, 3, clock=lambda: now[0])
+    assert [bucket.take("t") for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert bucket.take("t") == pytest.approx(0.5)
+    assert bucket.take("other") == 0.0  # per key
+    now[0] = 0.5
+    assert bucket.take("t") == 0.0 and bucket.take("t") > 0
+    assert TokenBucket(0.0, 1).take("t") == 0.0  # 0 = no limit

@@ -26,13 +26,16 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import SQLAlchemyError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from worker.api import health, jobs, preview, uploads
 from worker.api.auth import PreviewSigner, TokenAuth
-from worker.api.deps import ApiError, ApiMetrics, Deps
+from worker.api.deps import RETRY_AFTER_S, ApiError, ApiMetrics, Deps
+from worker.api.gate import BodyTooLargeError, RequestGate
 from worker.delivery.object_store import ObjectStore
 from worker.delivery.storage import open_object_store
-from worker.jobs.db import make_engine
+from worker.jobs.db import DbRetry, is_connection_error, make_engine
 from worker.jobs.queue import create_celery_app
 from worker.jobs.store import JobStore
 from worker.settings import Settings
@@ -67,7 +70,8 @@ def create_app(
         auth=auth,
         signer=PreviewSigner(settings.api_tokens),
         engine=engine,
-        store=JobStore(engine),
+        # a few quick tries, then 503: a client (30 s timeout) hears of an outage in seconds
+        store=JobStore(engine, retry=DbRetry(settings.api_db_retry_attempts, 1.0)),
         objects=objects,
         celery=celery,
         kvs_endpoint_url=kvs_endpoint_url or getattr(settings, "kvs_endpoint_url", None),
@@ -80,7 +84,9 @@ def create_app(
         "`Authorization: Bearer <token>`; each token belongs to one tenant, which sees only its own jobs.",
     )
     app.state.deps = deps
+    app.add_middleware(RequestGate, deps=deps)  # inside _count (added next): refusals are counted too
     _install_handlers(app, deps)
+    _install_outage_handler(app)
     for router in (jobs.router, uploads.router, preview.router, health.router):
         app.include_router(router)
     _publish_spec_schema(app)
@@ -97,6 +103,25 @@ def _install_handlers(app: FastAPI, deps: Deps) -> None:
         if exc.errors:
             body["errors"] = exc.errors
         return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(BodyTooLargeError)
+    async def _too_large(_request: Request, exc: BodyTooLargeError) -> JSONResponse:
+        error = {"field": "(body)", "message": exc.message}
+        return JSONResponse({"error": "request_too_large", "message": exc.message, "errors": [error]}, 413)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Starlette's own answers (no such route, method not allowed) in the API's error format.
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+        if exc.status_code == 400:  # the form parser refused the body (malformed, too many parts)
+            field, message = "(body)", f"(body): {exc.detail}; send a well-formed multipart/form-data body"
+        else:
+            field = "(path)"
+            message = f"(path): {request.method} {request.url.path[:200]}: {exc.detail}; see /docs for the routes"
+        error = {"field": field, "message": message}
+        return JSONResponse(
+            {"error": code, "message": message, "errors": [error]}, exc.status_code, headers=exc.headers
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -117,6 +142,28 @@ def _install_handlers(app: FastAPI, deps: Deps) -> None:
         deps.metrics.requests.labels(name, str(response.status_code)).inc()
         deps.metrics.latency.labels(name).observe(time.perf_counter() - start)
         return response
+
+
+def _install_outage_handler(app: FastAPI) -> None:
+    """A database connection error that outlived the API store's short retries
+    (``Settings.api_db_retry_attempts``) answers ``503 database_unavailable`` with ``Retry-After``,
+    not a bare 500: the request may be repeated as is (a submit with its ``idempotency_key``). The
+    driver's text (host, port) is logged, never sent."""
+
+    @app.exception_handler(SQLAlchemyError)
+    async def _database(_request: Request, exc: SQLAlchemyError) -> JSONResponse:
+        if not is_connection_error(exc):
+            raise exc  # a bug, not an outage: the ordinary 500 with its traceback in the log
+        logger.warning("database unreachable: %s: %s", type(exc).__name__, exc)
+        return JSONResponse(
+            {
+                "error": "database_unavailable",
+                "message": f"the job database is unreachable; retry in {RETRY_AFTER_S} s "
+                "(with the same idempotency_key for a submit)",
+            },
+            status_code=503,
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
 
 
 def _publish_spec_schema(app: FastAPI) -> None:

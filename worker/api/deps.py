@@ -30,6 +30,8 @@ from worker.jobs.store import JobStore
 from worker.settings import Settings
 
 API_PREFIX = "/v1"
+# what a 503 (database or broker unreachable) tells clients to wait before retrying, in seconds
+RETRY_AFTER_S = 5
 JOB_ID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 
 
@@ -67,9 +69,23 @@ def field_errors(exc: ValidationError, *, known_fields: Sequence[str]) -> list[d
         elif kind == "missing":
             msg = f"{field}: required; add it"
         else:
-            msg = f"{field}: {msg} (got {err.get('input')!r}); fix the value"
+            msg = f"{field}: {msg} (got {_short(err.get('input'))}); fix the value"
         out.append({"field": field, "message": msg})
     return out
+
+
+_SERVER_PATH_RE = re.compile(r"(?<![\w:/.~-])/(?:[^\s'\"/]+/)+([^\s'\"/]+)")
+
+
+def public_message(message: str | None) -> str | None:
+    """A job's error message as the tenant sees it: absolute server paths (the worker's download
+    directory, the file root) cut to their last name; URIs (``s3://…``, ``file:///…``) are kept."""
+    return None if message is None else _SERVER_PATH_RE.sub(r"\1", message)
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 def job_view(rec: JobRecord) -> JobView:
@@ -91,7 +107,7 @@ def job_view(rec: JobRecord) -> JobView:
         ),
         cancel_requested=rec.cancel_requested,
         error_code=rec.error_code,
-        error_message=rec.error_message,
+        error_message=public_message(rec.error_message),
         outputs=dict(rec.outputs),
         created_at=rec.created_at,
         started_at=rec.started_at,
@@ -152,6 +168,11 @@ def tenant_of(deps: Deps, request: Request) -> str:
         raise ApiError(
             401, "unauthorized", exc.message, headers={"WWW-Authenticate": exc.www_authenticate()}
         ) from exc
+
+
+def media_type(request: Request) -> str:
+    """The request's ``Content-Type`` without parameters, lower case ('' when absent)."""
+    return request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
 
 
 def check_job_id(job_id: str) -> None:

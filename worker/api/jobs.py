@@ -5,7 +5,8 @@ makes "nothing queued" true for every rejected request): authenticate -> parse a
 whole spec (with the operator's ``file_root`` as validation context) -> check that every
 ``upload://`` input exists under the caller's tenant -> create the row (idempotent on the tenant's
 ``idempotency_key``) -> send the Celery message carrying only the job id
-(:func:`worker.jobs.queue.enqueue_render`). A request that fails any step before "create" leaves no
+(:func:`worker.jobs.queue.enqueue_render`, one try: a broker outage leaves the row queued and
+unpublished for the workers' outbox sweeper, and the submission still answers at once). A request that fails any step before "create" leaves no
 row and no message (and no uploaded object: :func:`worker.api.uploads.cleanup_on_error`).
 """
 
@@ -20,8 +21,21 @@ from typing import Annotated, Any, cast
 from fastapi import APIRouter, Depends, File, Form, Query, Request, Response, UploadFile
 from pydantic import ValidationError
 
-from worker.api.deps import API_PREFIX, ApiError, Deps, field_errors, get_deps, get_own, job_view, tenant_of
-from worker.api.uploads import cleanup_on_error, store_upload
+from worker.access import InputGrants, InputRefusedError
+from worker.api.deps import (
+    API_PREFIX,
+    ApiError,
+    Deps,
+    field_errors,
+    get_deps,
+    get_own,
+    job_view,
+    media_type,
+    tenant_of,
+)
+from worker.api.media import probe_stored, probe_upload
+from worker.api.quotas import check_quota
+from worker.api.uploads import check_upload_size, cleanup_on_error, job_parts, store_upload
 from worker.client import JobListView, JobView, OutputsView, SegmentView
 from worker.delivery.keys import parse_upload_uri, upload_key
 from worker.delivery.object_store import ObjectStore
@@ -37,8 +51,66 @@ _UPLOAD_FIELDS = ("image", "audio")
 router = APIRouter()
 
 
-async def _raw_body(request: Request) -> bytes:
+_JSON_TYPES = ("application/json",)
+_MAX_JSON_DEPTH = 64
+
+
+async def _json_body(request: Request) -> bytes:
+    """The body of a JSON route, read only once its content type says JSON (the gate has already
+    authenticated the caller and bounds the body's size)."""
+    media = media_type(request)
+    if media not in _JSON_TYPES:
+        get_deps(request).metrics.rejected.labels("unsupported_media_type").inc()
+        raise ApiError(
+            415,
+            "unsupported_media_type",
+            f"Content-Type: {media or '(none)'!r} is not accepted here; send the job spec as JSON with "
+            "Content-Type: application/json (files go to POST /v1/jobs/upload as multipart/form-data)",
+            errors=[{"field": "Content-Type", "message": "send application/json"}],
+        )
     return await request.body()
+
+
+def _load_json(raw: bytes | str, field: str) -> object:
+    """``json.loads`` that answers 400 naming ``field`` for bad or too deeply nested JSON."""
+    try:
+        data = json.loads(raw or b"null")
+    except RecursionError as exc:  # 100,000 nested brackets: the C scanner gives up
+        raise _too_deep(field) from exc
+    except ValueError as exc:
+        raise ApiError(
+            400,
+            "invalid_json",
+            f"{field}: not valid JSON ({str(exc)[:200]}); send the job spec as a JSON object",
+            errors=[{"field": field, "message": "not valid JSON"}],
+        ) from exc
+    if _depth(data) > _MAX_JSON_DEPTH:
+        raise _too_deep(field)
+    return data
+
+
+def _too_deep(field: str) -> ApiError:
+    return ApiError(
+        400,
+        "invalid_json",
+        f"{field}: JSON nested deeper than {_MAX_JSON_DEPTH} levels; a job spec is a few levels deep, "
+        "send a flat object",
+        errors=[{"field": field, "message": "nested too deeply"}],
+    )
+
+
+def _depth(value: object) -> int:
+    """Nesting depth of parsed JSON, without recursion (no RecursionError on hostile input)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, level)
+            if level > _MAX_JSON_DEPTH:
+                return level
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def _key_of_uri(objects: ObjectStore, uri: str) -> str:
@@ -55,14 +127,17 @@ def _key_of_uri(objects: ObjectStore, uri: str) -> str:
     return uri[len(base) :]
 
 
-
-def _parse_spec(deps: Deps, data: object, tenant: str) -> JobSpec:
+def _parse_spec(deps: Deps, data: object, tenant: str, *, probed: Sequence[str] = ()) -> JobSpec:
+    """The whole submit check of a spec: shape, fields (strict), input grants, quota, then each
+    ``upload://`` input exists under the tenant and its bytes pass the media probe (``probed``:
+    keys already probed by the multipart route)."""
     if not isinstance(data, dict):
         raise ApiError(
             422,
             "invalid_spec",
-            "the request body must be a JSON object (the job spec), e.g. "
+            "(body): the request body must be a JSON object (the job spec), e.g. "
             '{"image": "s3://bucket/face.png", "audio": "s3://bucket/speech.wav"}',
+            errors=[{"field": "(body)", "message": "not a JSON object"}],
         )
     if "tenant" in data:
         raise ApiError(
@@ -71,14 +146,16 @@ def _parse_spec(deps: Deps, data: object, tenant: str) -> JobSpec:
             "tenant: is set by your bearer token, not by the spec; remove the field",
             errors=[{"field": "tenant", "message": "set by your token; remove it"}],
         )
-    try:
-        spec = JobSpec.model_validate(data, context=spec_context(deps.settings.file_root, deps.settings.models))
-    except ValidationError as exc:
-        errors = field_errors(exc, known_fields=list(JobSpec.model_fields))
-        raise ApiError(422, "invalid_spec", "; ".join(e["message"] for e in errors), errors=errors) from exc
+    spec = _validate(deps, data)
+    _check_grants(deps, spec, tenant)
+    check_quota(deps, tenant, spec)
     for field in _UPLOAD_FIELDS:
-        upload_id = parse_upload_uri(getattr(spec, field))
-        if upload_id is not None and not deps.objects.exists(upload_key(tenant, upload_id)):
+        uri = getattr(spec, field)
+        upload_id = parse_upload_uri(uri)
+        if upload_id is None:
+            continue
+        key = upload_key(tenant, upload_id)
+        if not deps.objects.exists(key):
             raise ApiError(
                 422,
                 "invalid_spec",
@@ -86,7 +163,29 @@ def _parse_spec(deps: Deps, data: object, tenant: str) -> JobSpec:
                 "(POST /v1/uploads or the multipart POST /v1/jobs/upload)",
                 errors=[{"field": field, "message": "unknown upload"}],
             )
+        if key not in probed:
+            probe_stored(deps, field, key, uri)
     return spec
+
+
+def _validate(deps: Deps, data: dict[str, Any]) -> JobSpec:
+    try:
+        return JobSpec.model_validate(data, context=spec_context(deps.settings.file_root, deps.settings.models))
+    except ValidationError as exc:
+        errors = field_errors(exc, known_fields=list(JobSpec.model_fields))
+        raise ApiError(422, "invalid_spec", "; ".join(e["message"] for e in errors), errors=errors) from exc
+
+
+def _check_grants(deps: Deps, spec: JobSpec, tenant: str) -> None:
+    """Every input must be the tenant's own upload or under a prefix granted to it (403)."""
+    grants = InputGrants.from_settings(deps.settings)
+    for field in _UPLOAD_FIELDS:
+        try:
+            grants.check(tenant, field, getattr(spec, field))
+        except InputRefusedError as exc:
+            raise ApiError(
+                403, exc.code, exc.message, errors=[{"field": field, "message": exc.message}]
+            ) from exc
 
 
 def _same_request(existing: dict[str, Any], spec: JobSpec, *, ignore: Sequence[str] = ()) -> bool:
@@ -120,25 +219,28 @@ def _create_and_enqueue(
             return job_view(rec)
         # Still queued and never claimed: the first submission's message may have been lost (broker
         # down). Sending again is safe: a claim is a conditional UPDATE, a second message is a no-op.
-    try:
-        enqueue_render(deps.celery, rec.id, queue=deps.settings.queue_name, priority=spec.priority)
-    except Exception as exc:
-        logger.error("job %s: could not enqueue: %s", rec.id, exc)
-        if spec.idempotency_key is None:
-            # Nobody can re-send this one: fail it rather than leave a queued row no worker will see.
-            deps.store.fail(rec.id, code="enqueue_failed", message=f"broker unreachable at submit: {exc}")
-            hint = "submit again"
-        else:
-            hint = "submit again with the same idempotency_key (the job is kept and will be enqueued)"
-        raise ApiError(
-            503, "broker_unavailable", f"job {rec.id} could not be queued ({exc}); {hint}"
-        ) from exc
+    _publish(deps, rec.id, spec.priority)
     if created:
         deps.metrics.submitted.inc()
         response.status_code = 201
         logger.info("job %s: created for tenant %s and queued", rec.id, tenant)
     return job_view(rec)
 
+
+
+def _publish(deps: Deps, job_id: str, priority: int) -> None:
+    """Send the job's message with one try (``retry=False``: milliseconds when Redis is down,
+    instead of the publish retry policy's ~33 s, beyond a client's 30 s timeout). On failure the
+    job stays queued, marked unpublished, and the workers' outbox sweeper sends it once the broker
+    is back (:func:`worker.jobs.reaper.sweep_once`): the submission still succeeds."""
+    try:
+        enqueue_render(deps.celery, job_id, queue=deps.settings.queue_name, priority=priority, retry=False)
+    except Exception as exc:
+        logger.warning("job %s: broker unreachable at submit (%s); the sweeper will publish it", job_id, exc)
+        try:
+            deps.store.mark_unpublished(job_id)
+        except Exception as mark_exc:  # still found by the sweeper: no message in the broker
+            logger.warning("job %s: could not mark it unpublished (%s)", job_id, mark_exc)
 
 
 @router.post(
@@ -158,21 +260,11 @@ def submit(
     request: Request,
     response: Response,
     deps: Annotated[Deps, Depends(get_deps)],
-    body: Annotated[bytes, Depends(_raw_body)],
+    body: Annotated[bytes, Depends(_json_body)],
 ) -> JobView:
     tenant = tenant_of(deps, request)
     try:
-        data = json.loads(body or b"null")
-    except ValueError as exc:
-        deps.metrics.rejected.labels("invalid_json").inc()
-        raise ApiError(
-            400,
-            "invalid_json",
-            f"the body is not valid JSON ({exc}); send the job spec "
-            "as a JSON object with Content-Type: application/json",
-        ) from exc
-    try:
-        spec = _parse_spec(deps, data, tenant)
+        spec = _parse_spec(deps, _load_json(body, "(body)"), tenant)
     except ApiError as exc:
         deps.metrics.rejected.labels(exc.code).inc()
         raise
@@ -192,16 +284,10 @@ def submit_upload(
     spec: Annotated[str, Form(description="the job spec as JSON, without the uploaded inputs")] = "{}",
     image: Annotated[UploadFile | None, File(description="reference image file")] = None,
     audio: Annotated[UploadFile | None, File(description="driving audio file")] = None,
+    _parts: Annotated[None, Depends(job_parts)] = None,
 ) -> JobView:
     tenant = tenant_of(deps, request)
-    try:
-        data = json.loads(spec)
-    except ValueError as exc:
-        raise ApiError(
-            400,
-            "invalid_json",
-            f"spec: not valid JSON ({exc}); send the job spec as a JSON object in the 'spec' form field",
-        ) from exc
+    data = _load_json(spec, "spec")
     if not isinstance(data, dict):
         raise ApiError(422, "invalid_spec", "spec: must be a JSON object (the job spec)")
     files = {"image": image, "audio": audio}
@@ -217,13 +303,16 @@ def submit_upload(
         if upload is not None:
             data[field] = placeholder  # validate everything else before storing any bytes
     try:
-        JobSpec.model_validate(data, context=spec_context(deps.settings.file_root, deps.settings.models))
-    except ValidationError as exc:
-        errors = field_errors(exc, known_fields=list(JobSpec.model_fields))
+        checked = _validate(deps, data)
+    except ApiError:
         deps.metrics.rejected.labels("invalid_spec").inc()
-        raise ApiError(
-            422, "invalid_spec", "; ".join(e["message"] for e in errors), errors=errors
-        ) from exc
+        raise
+    _check_grants(deps, checked, tenant)  # the spec's own inputs; the uploads are the tenant's
+    check_quota(deps, tenant, checked)
+    for field, upload in files.items():
+        if upload is not None:
+            check_upload_size(deps, upload, field)
+            probe_upload(deps, field, upload.file, upload.filename)
     keys: list[str] = []
     with cleanup_on_error(deps, keys):
         for field, upload in files.items():
@@ -231,7 +320,7 @@ def submit_upload(
                 uri, key = store_upload(deps, tenant, upload, field)
                 keys.append(key)
                 data[field] = uri
-        job_spec = _parse_spec(deps, data, tenant)
+        job_spec = _parse_spec(deps, data, tenant, probed=keys)
         return _create_and_enqueue(deps, job_spec, tenant, response, uploaded=keys)
 
 

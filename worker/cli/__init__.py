@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
+from worker.cli.helpfmt import DefaultsShown
+
 if TYPE_CHECKING:
 
     from worker.client import JobView, LongtakeClient
@@ -136,18 +138,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar (e.g. in logs)")
     _add_client_args(p)
 
-    p = sub.add_parser("fetch", help="download a job's final MP4 (and segments)")
+    p = sub.add_parser(
+        "fetch",
+        help="download a job's final MP4 (and segments)",
+        description="Download a finished job's MP4 to -o (a file, or a directory for <JOB_ID>.mp4); "
+        "with --segments also the committed segments of any job, finished or not.",
+    )
     p.add_argument("job_id")
     p.add_argument("-o", "--out", type=Path, default=Path("."), help="file or directory (default: .)")
     p.add_argument("--segments", action="store_true", help="also download the committed segments")
     _add_client_args(p)
 
-    p = sub.add_parser("cancel", help="cancel a job (stops between chunks)")
+    p = sub.add_parser(
+        "cancel",
+        help="cancel a job (stops between chunks)",
+        description="Cancel a job: a queued one at once, a running one between two chunks (its "
+        "committed segments stay; `longtake fetch --segments` gets them).",
+    )
     p.add_argument("job_id")
     _add_client_args(p)
 
-    p = sub.add_parser("preview", help="print the URL to watch a job while it renders")
+    p = sub.add_parser(
+        "preview",
+        help="print the URL to watch a job while it renders",
+        description="Print one URL: a page on the API that plays the render while it runs (any "
+        "browser; the link is signed and expires after LONGTAKE_PRESIGN_EXPIRES_S). KVS jobs: the "
+        "KVS HLS session URL.",
+    )
     p.add_argument("job_id")
+    p.add_argument("--playlist", action="store_true", help="print the HLS playlist URL instead (VLC, ffplay)")
     _add_client_args(p)
 
     p = sub.add_parser(
@@ -158,13 +177,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hostname", help="Celery node name (default: longtake@<host>)")
     p.add_argument("--loglevel", default=None, help="Celery log level (default: LONGTAKE_LOG_LEVEL)")
 
-    p = sub.add_parser("api", help="serve the HTTP API (uvicorn)")
+    p = sub.add_parser(
+        "api",
+        help="serve the HTTP API (uvicorn)",
+        description="Serve the HTTP API (docs/api.md) with uvicorn on the LONGTAKE_* settings: jobs "
+        "database, broker, object store, LONGTAKE_API_TOKENS.",
+    )
     p.add_argument("--host", help="bind address (default: LONGTAKE_API_HOST)")
     p.add_argument("--port", type=int, help="port (default: LONGTAKE_API_PORT)")
 
-    sub.add_parser("migrate", help="create/upgrade the jobs database schema (alembic upgrade head)")
+    sub.add_parser(
+        "migrate",
+        help="create/upgrade the jobs database schema (alembic upgrade head)",
+        description="Create or upgrade the jobs database at LONGTAKE_DATABASE_URL to the newest "
+        "schema (alembic upgrade head); safe to repeat.",
+    )
 
-    p = sub.add_parser("reap", help="requeue jobs whose worker lease expired")
+    p = sub.add_parser(
+        "reap",
+        help="requeue jobs whose worker lease expired",
+        description="Requeue jobs whose worker stopped heartbeating (lease expired) and publish their "
+        "messages again; once, or every --every seconds. Workers also reap on their own.",
+    )
     p.add_argument("--every", type=float, metavar="SECONDS", help="repeat forever at this interval")
 
     p = sub.add_parser(
@@ -180,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="API bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="API port (default 8000)")
     p.add_argument("--no-worker", action="store_true", help="run only the API")
+    for command in sub.choices.values():
+        command.formatter_class = DefaultsShown
     return parser
 
 
@@ -195,10 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(render_main(args_list[1:]) or 0)
     parser = build_parser()
     args = parser.parse_args(args_list)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logging.basicConfig(level=_log_level(args), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     handler = _COMMANDS[args.command]
     from worker.client import LongtakeAPIError, LongtakeConnectionError
 
@@ -217,18 +250,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+_SERVICE_COMMANDS = frozenset({"worker", "api", "migrate", "reap", "up"})
+
+
+def _log_level(args: argparse.Namespace) -> int:
+    """Services log INFO; client commands only warnings (no httpx line per request), ``-v`` DEBUG."""
+    if args.verbose:
+        return logging.DEBUG
+    return logging.INFO if args.command in _SERVICE_COMMANDS else logging.WARNING
+
+
 def _settings() -> Settings:
+    """``Settings()`` from the environment; a bad value raises ``ValueError`` naming the variable."""
+    from pydantic import ValidationError
+
     from worker.settings import Settings
 
-    return Settings()  # every field has a default; values come from the environment
+    try:
+        return Settings()  # every field has a default; values come from the environment
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            field = ".".join(str(p) for p in err.get("loc", ()))
+            name = f"LONGTAKE_{field.upper()}" if field else "LONGTAKE_* settings"
+            msg = str(err.get("msg", "")).removeprefix("Value error, ")
+            problems.append(msg if msg.startswith(name) else f"{name}: {msg}")
+        raise ValueError("; ".join(problems)) from None
 
 
 def _client(args: argparse.Namespace) -> LongtakeClient:
     from worker.client import LongtakeClient
 
     settings = _settings()
-    api = args.api or getattr(settings, "api_url", None) or f"http://{settings.api_host}:{settings.api_port}"
-    token = args.token or getattr(settings, "api_token", None)
+    api = args.api or settings.client_api_url()
+    token = args.token or settings.api_token
     if not token:
         raise ValueError("no API token; pass --token TOKEN or set LONGTAKE_API_TOKEN")
     return LongtakeClient(api, token)
@@ -315,20 +370,23 @@ def _wait(
     def on_update(job: JobView) -> None:
         nonlocal bar
         p = job.progress
-        if not progress:
-            return
+        if not progress or (bar is None and job.is_terminal):
+            return  # a job that had ended before we looked: its line below says it all
         if bar is None:
-            bar = tqdm(total=p.num_chunks, unit="chunk", desc=job_id[:8], file=sys.stderr, dynamic_ncols=True)
+            # initial=: chunks done before we looked are not counted into tqdm's chunk/s rate
+            bar = tqdm(total=p.num_chunks, initial=p.chunks_done, unit="chunk", desc=job_id[:8],
+                       file=sys.stderr, dynamic_ncols=True)
         if p.num_chunks is not None and bar.total != p.num_chunks:
             bar.total = p.num_chunks
-        # frames/s over the last poll interval: what the user feels, not a lifetime average
+        # frames/s over the last poll interval: what the user feels, not a lifetime average;
+        # nothing is shown until two polls have been seen
         now = time.monotonic()
-        fps = 0.0
+        rate = ""
         if "t" in last and now > last["t"]:
-            fps = max(0.0, (p.frames_done - last["frames"]) / (now - last["t"]))
+            rate = f" {max(0.0, (p.frames_done - last['frames']) / (now - last['t'])):.1f} fps"
         last.update(t=now, frames=float(p.frames_done))
         bar.n = p.chunks_done
-        bar.set_postfix_str(f"{job.status} {fps:.1f} fps {p.seconds_done:.1f}s video")
+        bar.set_postfix_str(f"{job.status}{rate} {p.seconds_done:.1f}s video")
         bar.refresh()
 
     try:
@@ -370,7 +428,11 @@ def cmd_preview(args: argparse.Namespace) -> int:
     if view.url is None:
         print(f"longtake preview: {view.detail}", file=sys.stderr)
         return EXIT_JOB_FAILED
-    print(view.url)
+    if args.playlist or view.page_url is None:
+        print(view.url)
+    else:
+        print(view.page_url)
+        print("open it in a browser; --playlist prints the HLS playlist for players", file=sys.stderr)
     return EXIT_OK
 
 
@@ -477,6 +539,66 @@ def embedded_env(home: Path, *, host: str, port: int, token: str) -> dict[str, s
     }
 
 
+def self_command() -> str:
+    """How the user can run ``longtake`` again, as a shell word: ``longtake`` when that is on PATH
+    and is this interpreter's script, else the script's path (``.venv/bin/longtake`` after
+    ``make demo``, relative to the working directory when under it), else ``python -m worker.cli``.
+    Used by the commands that print commands to run next (``up``)."""
+    import shlex
+    import shutil
+
+    script = Path(sys.executable).with_name("longtake")
+    on_path = shutil.which("longtake")
+    if script.is_file() and on_path and Path(on_path).resolve() == script.resolve():
+        return "longtake"
+    if script.is_file():
+        try:
+            return shlex.quote(str(script.relative_to(Path.cwd())))
+        except ValueError:
+            return shlex.quote(str(script))
+    return f"{shlex.quote(sys.executable)} -m worker.cli"
+
+
+def _demo_inputs() -> tuple[str, str]:
+    """The shipped demo face and speech (what ``make demo`` renders), or placeholders when this is
+    an installed package without them."""
+    root = Path(__file__).resolve().parents[2]
+    image, audio = root / "models/checkpoints/demo_reference.png", root / "assets/demo/speech.wav"
+    if image.is_file() and audio.is_file():
+        return str(image), str(audio)
+    return "face.png", "speech.wav"
+
+
+def up_banner(home: Path, *, host: str, port: int, token: str) -> str:
+    """What ``longtake up`` prints once its services are started: the two settings the client
+    commands read (``Settings.api_url`` / ``api_token``) as one ``export`` line, and commands that
+    work as printed in that shell (tests/unit/test_cli.py runs them)."""
+    import shlex
+
+    lt = self_command()
+    image, audio = (shlex.quote(p) for p in _demo_inputs())
+    return (
+        f"longtake up: API on http://{host}:{port}, state in {home}\n"
+        f"  export LONGTAKE_API_URL=http://{host}:{port} LONGTAKE_API_TOKEN={token}\n"
+        f"  {lt} submit --image {image} --audio {audio} --wait\n"
+        f"  {lt} preview JOB        # a page that plays the render while it runs\n"
+        f"  {lt} fetch JOB -o out.mp4"
+    )
+
+
+def _api_answers(url: str) -> bool:
+    """True once ``GET url/healthz`` answers at all (``up`` polls it before printing its banner)."""
+    import httpx
+
+    try:
+        resp = httpx.get(f"{url}/healthz", timeout=1.0)
+    except httpx.HTTPError:
+        return False
+    if resp.status_code != 200:
+        print(f"longtake up: the API answers /healthz with {resp.status_code}: {resp.text}", file=sys.stderr)
+    return True
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     home: Path = args.home.resolve()
     for sub_dir in ("objects", "work", "inputs"):
@@ -496,12 +618,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             [python, "-m", "worker.cli", "worker", "--hostname", "longtake-up@%h"], env=env
         )
     procs["api"] = subprocess.Popen([python, "-m", "worker.cli", "api"], env=env)
-    print(
-        f"longtake up: API on http://{args.host}:{args.port}, state in {home}\n"
-        f"  export LONGTAKE_API_URL=http://{args.host}:{args.port} LONGTAKE_API_TOKEN={token}\n"
-        "  longtake submit --image face.png --audio speech.wav --wait",
-        flush=True,
-    )
+    api_url = f"http://{args.host}:{args.port}"
+    announced = False  # the banner's commands work only once the API answers: print it then
     stopping = False
 
     def _stop(signum: int, _frame: object) -> None:
@@ -518,6 +636,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                     print(f"longtake up: {name} exited with {proc.returncode}; stopping", file=sys.stderr)
                     rc = EXIT_JOB_FAILED
                     stopping = True
+            if not announced and not stopping and _api_answers(api_url):
+                print(up_banner(home, host=args.host, port=args.port, token=token), flush=True)
+                announced = True
             time.sleep(0.2)
     finally:
         for proc in procs.values():

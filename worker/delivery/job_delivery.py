@@ -3,8 +3,9 @@
 Who calls what: :class:`worker.jobs.tasks.JobWorker` calls its :class:`DeliveryFactory` (default
 :data:`s3_delivery`, injected through the constructor) once per attempt with the committed segments
 and the lease-fenced ``on_commit``; the runner relays the render's fragments into ``sinks``; the
-worker then asks for ``outputs()`` / ``partial_outputs()`` for the row, ``load_state`` for the
-resume point, or ``abandon()`` when the job is given up.
+worker then asks ``verify(committed)`` whether the outputs exist (at finish), ``outputs()`` /
+``partial_outputs()`` for the row, ``load_state`` for the resume point, or ``abandon()`` when the
+job is given up.
 
 The production delivery is :class:`worker.delivery.s3_sink.S3ProgressiveSink` (segments, HLS,
 final MP4) plus, when the spec asks for one, a KVS live preview wrapped in :class:`BestEffortSink`
@@ -41,11 +42,17 @@ class JobDelivery(Protocol):
     def partial_outputs(self) -> dict[str, str]: ...
     def load_state(self, key: str) -> bytes: ...
     def abandon(self) -> None: ...
+    def verify(self, committed: Sequence[SegmentRecord]) -> str | None:
+        """After a successful render, before the row is marked succeeded: None when every output
+        the row will name exists (repairing what it can), else the reason."""
+        ...
 
 
 class DeliveryFactory(Protocol):
     """Builds one attempt's :class:`JobDelivery`; :data:`s3_delivery` is the production one. Passed
-    to :class:`worker.jobs.tasks.JobWorker` (tests pass a fake there)."""
+    to :class:`worker.jobs.tasks.JobWorker` (tests pass a fake there). ``attempt`` (1-based) and
+    ``fence`` (raises :class:`worker.errors.LeaseLostError` once the lease is gone; to be called
+    before every object write) fence the attempt's object writes as its commits are fenced."""
 
     def __call__(
         self,
@@ -56,6 +63,8 @@ class DeliveryFactory(Protocol):
         spec: JobSpec,
         committed: Sequence[SegmentRecord],
         on_commit: Callable[[SegmentRecord], None],
+        attempt: int = 0,
+        fence: Callable[[], None] | None = None,
     ) -> JobDelivery: ...
 
 
@@ -103,8 +112,12 @@ class S3Delivery:
         spec: JobSpec,
         committed: Sequence[SegmentRecord],
         on_commit: Callable[[SegmentRecord], None],
+        attempt: int = 0,
+        fence: Callable[[], None] | None = None,
     ) -> None:
-
+        """``attempt`` names this attempt's segment and state objects (``a<attempt>-seg_…``) and
+        ``fence`` (the lease check) runs before every object write: see docs/delivery.md, "Fenced
+        object writes"."""
         self.store = open_object_store(settings.object_store_url, endpoint_url=settings.s3_endpoint_url)
         self.prefix = job_prefix(tenant, job_id)
         self.sink = S3ProgressiveSink(
@@ -114,6 +127,8 @@ class S3Delivery:
             on_commit=on_commit,
             preview=spec.preview.hls,
             state_every=settings.state_every,
+            key_tag=f"a{attempt}-" if attempt else "",
+            fence=fence,
         )
         self.sinks: Sequence[FrameSink] = [self.sink]
         if spec.preview.kvs is not None:
@@ -135,6 +150,9 @@ class S3Delivery:
 
     def load_state(self, key: str) -> bytes:
         return self.store.get_bytes(key)
+
+    def verify(self, committed: Sequence[SegmentRecord]) -> str | None:
+        return self.sink.verify_outputs(committed)
 
     def abandon(self) -> None:
         self.sink.abandon()

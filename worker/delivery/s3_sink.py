@@ -26,6 +26,11 @@ With the preview off, fragments are committed when the part that carries them is
 ``key`` is then the final MP4's key; the newest ``state_every``-th fragment of each part carries a
 ``state_key``).
 
+Fencing: the worker passes ``key_tag`` (``a<attempt>-``: segment and state objects are named per
+attempt, and the committed row names the key, so readers — the playlist, the API — only ever see
+committed objects) and ``fence`` (its lease check, run before every write; a stale worker that
+lost its lease writes nothing more).
+
 Resume: a retried render restarts after the newest *stored* state, so it may re-make fragments that
 are already committed; ``write`` checks each against its committed checksum and sends nothing.
 
@@ -53,12 +58,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import IO, TypeVar
 
 from pipeline.errors import SinkError
 from pipeline.media_types import Fragment, InitSegment
 from pipeline.sinks import HLS_INIT, HLS_PLAYLIST, hls_segment_name, hls_target_duration, render_hls_playlist
-from worker.delivery.keys import safe_key
+from worker.delivery.keys import check_relative_key, safe_key
 from worker.delivery.object_store import ObjectStore
 from worker.delivery.segment import SegmentRecord
 from worker.errors import ObjectNotFoundError, StorageError
@@ -123,6 +129,7 @@ class DeliveryCounters:
     num_retries: int = 0
     num_playlist_skips: int = 0
     num_spilled: int = 0  # fragments spooled to disk while uploads were behind
+    num_repaired: int = 0  # lost segment objects re-cut from the final MP4 at verification
 
     @property
     def media_bytes(self) -> int:
@@ -214,6 +221,8 @@ class S3ProgressiveSink:
         playlist_budget: float = 0.015,
         target_duration: int | None = None,
         state_every: int = 1,
+        key_tag: str = "",
+        fence: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
         self.prefix = prefix
@@ -235,6 +244,14 @@ class S3ProgressiveSink:
         if state_every < 1:
             raise ValueError(f"state_every={state_every}: must be >= 1")
         self._state_every = state_every  # upload the resume state of every N-th fragment only
+        # Fencing object writes (issue 17 item 5): segment and state objects are named per attempt
+        # (key_tag, e.g. "a2-"), so a stale attempt's late write can only create an object no
+        # committed row names; and fence() (the worker's lease check) runs before every write, so a
+        # worker that lost its lease writes nothing at all once it notices.
+        if key_tag and ("/" in key_tag or not check_relative_key(key_tag + "x", field="key_tag")):
+            raise ValueError(f"key_tag={key_tag!r}: one name prefix without '/', e.g. 'a2-'")
+        self._tag = key_tag
+        self._fence = fence
 
         done = sorted(committed, key=lambda s: s.index)
         if [s.index for s in done] != list(range(len(done))):
@@ -359,6 +376,60 @@ class S3ProgressiveSink:
             out["hls"] = self.store.uri(self.playlist_key)
         return out
 
+    def verify_outputs(self, committed: Sequence[SegmentRecord]) -> str | None:
+        """After ``close(ok=True)``, before the job row is marked succeeded: check that everything
+        the row will claim exists — the final MP4, and with the preview the playlist (listing
+        exactly the committed segments), its init segment and every segment it names — and repair
+        what can be repaired: a lost segment is re-cut from the final MP4 (init + fragments in
+        order, so its byte range follows from the committed sizes; checksum verified) and put back
+        (fenced), a lost init segment is put again. Returns None when all is there (repaired or
+        not), else the reason (the caller fails the attempt, retryable).
+
+        One LIST of the job prefix instead of a HEAD per segment: a 2-hour job has ~11,000
+        segments (11,000 HEADs vs 12 LIST pages), and S3 LIST is strongly consistent."""
+        present = set(self.store.list(self.prefix))
+        if self.final_key not in present:
+            return f"final output {self.store.uri(self.final_key)} is missing right after its upload completed"
+        if not self.preview:
+            return None
+        if self.playlist_key not in present:
+            return f"playlist {self.store.uri(self.playlist_key)} is missing"
+        listed = [ln for ln in self.store.get_bytes(self.playlist_key).decode().splitlines()
+                  if ln and not ln.startswith("#")]
+        want = [seg.key.rsplit("/", 1)[-1] for seg in committed]
+        if listed != want:
+            return (f"playlist {self.store.uri(self.playlist_key)} lists {len(listed)} segments but the job "
+                    f"row has {len(want)} committed")
+        if self.init_key not in present and self._init is not None:
+            logger.warning("init segment %s was lost; putting it again", self.init_key)
+            self._put(self.init_key, self._init.data, "init_bytes", "video/mp4")
+        lost = [seg for seg in committed if seg.key not in present]
+        if lost:
+            return self._repair_segments(lost, committed)
+        return None
+
+    def _repair_segments(self, lost: Sequence[SegmentRecord], committed: Sequence[SegmentRecord]) -> str | None:
+        assert self._init is not None
+        offsets, at = {}, len(self._init.data)
+        for seg in committed:
+            offsets[seg.index] = at
+            at += seg.nbytes
+        with tempfile.TemporaryDirectory(prefix="longtake-verify-") as tmp:
+            path = Path(tmp) / FINAL_NAME
+            self.store.download_to(self.final_key, path)
+            with open(path, "rb") as f:
+                for seg in lost:
+                    f.seek(offsets[seg.index])
+                    data = f.read(seg.nbytes)
+                    if hashlib.sha256(data).hexdigest() != seg.checksum:
+                        return (f"segment {seg.key} was lost and the final MP4 does not hold its committed "
+                                "bytes; the job must be rendered again")
+                    self._put(seg.key, data, "segment_bytes", "video/iso.segment")
+        logger.warning("%d lost segment objects re-cut from %s and put back: %s", len(lost), self.final_key,
+                       ", ".join(seg.key.rsplit("/", 1)[-1] for seg in lost[:10]))
+        self.counters.num_repaired += len(lost)
+        return None
+
     def abandon(self) -> None:
         """After a job is finally given up (cancelled or failed for good): abort the multipart
         upload and remove its state; committed segments stay for the partial output."""
@@ -432,8 +503,14 @@ class S3ProgressiveSink:
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
+    def _check_fence(self) -> None:
+        """Before every write (retries included): raises (LeaseLostError) once the lease is gone."""
+        if self._fence is not None:
+            self._fence()
+
     def _put(self, key: str, data: bytes, counter: str, content_type: str) -> None:
         def attempt() -> None:
+            self._check_fence()
             setattr(self.counters, counter, getattr(self.counters, counter) + len(data))
             self.store.put_bytes(key, data, content_type=content_type)
 
@@ -511,12 +588,12 @@ class S3ProgressiveSink:
     def _deliver(self, fragment: Fragment, data: bytes, state: bytes | None) -> None:
         checksum = hashlib.sha256(data).hexdigest()
         if self.preview:
-            key = safe_key(self.prefix, hls_segment_name(fragment.index))
+            key = safe_key(self.prefix, self._tag + hls_segment_name(fragment.index))
             self._put(key, data, "segment_bytes", "video/iso.segment")
             self.counters.num_segments += 1
             state_key = None
             if state is not None and fragment.index % self._state_every == 0:
-                state_key = safe_key(self.prefix, f"state_{fragment.index:05d}.bin")
+                state_key = safe_key(self.prefix, f"{self._tag}state_{fragment.index:05d}.bin")
                 self._put(state_key, state, "state_bytes", "application/octet-stream")
             seg = SegmentRecord(fragment.index, key, len(data), fragment.duration_s, checksum, state_key,
                                    fragment.first_frame, fragment.num_frames)
@@ -570,8 +647,11 @@ class S3ProgressiveSink:
     def _upload_part(self) -> None:
         assert self._init is not None and self._pending
         if self._mp is None:
-            upload_id = self._retry("create multipart", lambda: self.store.create_multipart(
-                self.final_key, content_type="video/mp4"))
+            def create() -> str:
+                self._check_fence()
+                return self.store.create_multipart(self.final_key, content_type="video/mp4")
+
+            upload_id = self._retry("create multipart", create)
             self._mp = MultipartState(self.final_key, upload_id, self._init_sha)
         mp = self._mp
         first_part = not mp.parts
@@ -579,6 +659,7 @@ class S3ProgressiveSink:
         part_number = len(mp.parts) + 1
 
         def attempt() -> str:
+            self._check_fence()
             self.counters.part_bytes += len(body)
             return self.store.upload_part(mp.key, mp.upload_id, part_number, body)
 
@@ -599,7 +680,7 @@ class S3ProgressiveSink:
         state_key, state_index = None, -1
         if self._last_state is not None:
             state_index, state = self._last_state
-            state_key = safe_key(self.prefix, f"state_{state_index:05d}.bin")
+            state_key = safe_key(self.prefix, f"{self._tag}state_{state_index:05d}.bin")
             self._put(state_key, state, "state_bytes", "application/octet-stream")
             self._last_state = None
         for frag, checksum, nbytes in self._unpart_commits:
@@ -625,6 +706,7 @@ class S3ProgressiveSink:
 
             def complete() -> None:
                 nonlocal tried
+                self._check_fence()
                 try:
                     self.store.complete_multipart(mp.key, mp.upload_id, parts)
                 except ObjectNotFoundError:

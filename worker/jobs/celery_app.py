@@ -9,8 +9,13 @@ nothing. Everything else builds its own app with :func:`create_worker_app` (a wo
 :func:`create_worker_app` registers ``longtake.render_job(job_id)``, whose body is
 :meth:`worker.jobs.tasks.JobWorker.run` on the process' one ``JobWorker`` (built with the
 ``delivery`` factory and ``renderer`` given here: tests pass their fakes), and connects the worker-process signals:
-logging is configured on ``setup_logging``; the reaper (``Settings.reaper_enabled``) runs as a
-daemon thread in the worker's main process from ``worker_ready`` until ``worker_shutdown``.
+logging is configured on ``setup_logging``; on ``worker_ready`` the metrics endpoint
+(``Settings.metrics_port``) starts — before the first job, so an idle worker is scraped too — and
+the reaper (``Settings.reaper_enabled``) runs as a daemon thread in the worker's main process until
+``worker_shutdown``; ``worker_shutting_down`` (SIGTERM, SIGINT, SIGQUIT) asks the running job to
+drain (:meth:`JobWorker.request_drain`). Both work in the process that renders with
+``--pool=solo`` (the recommended pool); with ``--pool=prefork`` the render metrics and the drain
+live in the pool child, which neither reaches.
 The queue configuration and why each setting is there: :mod:`worker.jobs.queue`.
 """
 
@@ -24,8 +29,11 @@ from celery import Celery, signals
 
 from pipeline.request import Renderer
 from worker.delivery.job_delivery import DeliveryFactory, s3_delivery
+from worker.jobs.db import DbRetry, make_engine
+from worker.jobs.metrics import start_metrics_server
 from worker.jobs.queue import RENDER_TASK_NAME, create_celery_app
 from worker.jobs.reaper import reaper_loop
+from worker.jobs.store import JobStore
 from worker.jobs.tasks import JobWorker
 from worker.logging import configure_logging
 from worker.settings import Settings
@@ -70,9 +78,20 @@ def _connect_worker_signals(celery: Celery, settings: Settings) -> None:
     def stop_reaper(**_: Any) -> None:
         stop.set()
 
+    def start_metrics(sender: Any = None, **_: Any) -> None:
+        if settings.metrics_port > 0:
+            # an engine of its own (one connection) for the fleet-wide longtake_jobs gauge
+            store = JobStore(make_engine(settings.database_url, pool_size=1), retry=DbRetry(1))
+            start_metrics_server(settings.metrics_port, store.count_by_status)
+
+    def drain(**_: Any) -> None:
+        JobWorker.request_drain()
+
     # weak=False: the closures live as long as the process' app (the signals are process-wide)
     signals.setup_logging.connect(setup_logging, weak=False, dispatch_uid=f"{uid}-logging")
+    signals.worker_ready.connect(start_metrics, weak=False, dispatch_uid=f"{uid}-metrics")
     signals.worker_ready.connect(start_reaper, weak=False, dispatch_uid=f"{uid}-reaper")
+    signals.worker_shutting_down.connect(drain, weak=False, dispatch_uid=f"{uid}-drain")
     signals.worker_shutdown.connect(stop_reaper, weak=False, dispatch_uid=f"{uid}-stop")
 
 

@@ -6,9 +6,11 @@ Engines must not be created at import time, and must not cross a ``fork`` (the r
 spawned, and never touches the database).
 
 Connection loss (a PostgreSQL restart, a network blip) surfaces as ``OperationalError`` /
-``InterfaceError`` or a DBAPI error with ``connection_invalidated``; :func:`db_retry` retries those
-with exponential back-off, a bounded number of times. Every JobStore operation is written to be
-safe to repeat after an unknown outcome (the commit may have landed before the connection died).
+``InterfaceError`` or a DBAPI error with ``connection_invalidated``; :class:`DbRetry` retries those
+with exponential back-off, a bounded number of times (the API: a few tries, then 503) or for a
+bounded time (``max_s``: a worker rides out an outage of up to ``Settings.db_outage_max_s`` with
+its render going on). Every JobStore operation is written to be safe to repeat after an unknown
+outcome (the commit may have landed before the connection died).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tenacity import (
     Retrying,
     retry_if_exception,
     stop_after_attempt,
+    stop_after_delay,
     wait_exponential,
 )
 
@@ -67,26 +70,28 @@ def is_connection_error(exc: BaseException) -> bool:
 
 
 class DbRetry:
-    """Runs a callable, retrying connection errors with bounded exponential back-off."""
+    """Runs a callable, retrying connection errors with exponential back-off (capped at
+    ``max_wait_s``): ``attempts`` tries, or with ``max_s`` as many as fit in ``max_s`` seconds."""
 
-    def __init__(self, attempts: int = 8, max_wait_s: float = 4.0) -> None:
+    def __init__(self, attempts: int = 8, max_wait_s: float = 4.0, *, max_s: float | None = None) -> None:
         self.attempts = attempts
         self.max_wait_s = max_wait_s
+        self.max_s = max_s
 
     def __call__(self, fn: Callable[[], T], *, what: str) -> T:
         def _log(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
             log.warning(
-                "database connection error during %s (try %d of %d), retrying: %s",
+                "database connection error during %s (try %d of %s), retrying: %s",
                 what,
                 state.attempt_number,
-                self.attempts,
+                self.attempts if self.max_s is None else f"{self.max_s:g} s",
                 exc,
             )
 
         retrying = Retrying(
             retry=retry_if_exception(is_connection_error),
-            stop=stop_after_attempt(self.attempts),
+            stop=stop_after_attempt(self.attempts) if self.max_s is None else stop_after_delay(self.max_s),
             wait=wait_exponential(multiplier=0.1, max=self.max_wait_s),
             before_sleep=_log,
             reraise=True,

@@ -22,8 +22,11 @@ log = logging.getLogger(__name__)
 class LeaseKeeper(threading.Thread):
     """Heartbeats the lease and polls the cancel flag while the render runs (daemon thread).
 
-    A DB outage longer than the store's retries is logged and retried on the next tick: the lease
-    stays ours as long as the database comes back before it expires.
+    A DB outage is ridden out inside the store's retries (``db_outage_max_s``); the reapers hold
+    off after one, so the lease stays ours when the database comes back.
+
+    Drain: when ``drain`` is set (the worker got SIGTERM), :meth:`stop_reason` answers ``"drain"``
+    and the render stops between chunks; the task then hands the job back (``JobStore.release``).
 
     Heartbeats prove that this process is alive, not that the render moves: when nothing has been
     heard from the render for ``stall_s`` (``alive`` is called on every fragment and progress
@@ -41,6 +44,7 @@ class LeaseKeeper(threading.Thread):
         heartbeat_s: float,
         cancel_poll_s: float,
         stall_s: float = float("inf"),
+        drain: threading.Event | None = None,
     ) -> None:
         super().__init__(name=f"lease-{lease.job_id[:8]}", daemon=True)
         self.store = store
@@ -48,6 +52,7 @@ class LeaseKeeper(threading.Thread):
         self.heartbeat_s = heartbeat_s
         self.cancel_poll_s = cancel_poll_s
         self.stall_s = stall_s
+        self.drain = drain
         self.progress: Progress | None = None
         self.lease_lost = False
         self.stalled = False
@@ -67,7 +72,11 @@ class LeaseKeeper(threading.Thread):
         self._wake.set()
 
     def stop_reason(self) -> str | None:
-        return "lease_lost" if self.lease_lost else "cancel" if self.cancel else None
+        if self.lease_lost:
+            return "lease_lost"
+        if self.cancel:
+            return "cancel"
+        return "drain" if self.drain is not None and self.drain.is_set() else None
 
     def stop(self) -> None:
         self._halt.set()

@@ -2,8 +2,8 @@
 is in the logs and the job row.
 
 Who calls: :mod:`worker.jobs.tasks` records into these as a job runs; :func:`start_metrics_server` is
-called at the start of each task (idempotent per process, so it works with ``--pool=solo`` and with
-a prefork pool child alike) when ``Settings.metrics_port`` is not 0. The ``longtake_jobs`` gauge is
+called once the worker is ready (Celery's ``worker_ready``, :mod:`worker.jobs.celery_app`), before
+its first job, when ``Settings.metrics_port`` is not 0 (idempotent per process). The ``longtake_jobs`` gauge is
 read from the database at scrape time by :class:`JobsByStatusCollector`, so every worker reports the
 same fleet-wide numbers.
 """
@@ -50,6 +50,10 @@ QUEUE_WAIT = Histogram(
 )
 BUSY = Gauge("longtake_worker_busy", "1 while this worker process runs a job")
 REAPED = Counter("longtake_leases_reaped", "Expired leases the reaper requeued")
+REPUBLISHED = Counter(
+    "longtake_messages_republished",
+    "Queued jobs whose message the sweeper (re)sent: never published, or lost by the broker",
+)
 STALLS = Counter(
     "longtake_render_stalls",
     "Renders that sent nothing for progress_timeout_s, by what was done: ranks_killed (the render "

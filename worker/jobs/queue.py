@@ -1,10 +1,10 @@
 """The render queue: the Celery configuration and the one message, ``longtake.render_job(job_id)``.
 
-Who calls what: the API and the reaper publish with :func:`enqueue_render` on an app from
+Who calls what: the API, the reaper and the outbox sweeper publish with :func:`enqueue_render` on an app from
 :func:`create_celery_app` (configured, no tasks: publishing needs none); the worker process builds
 its app with :func:`worker.jobs.celery_app.create_worker_app`, which starts from the same
 configuration. The message carries only the job id — the job row is the truth and the result (no
-result backend).
+result backend). The sweeper asks :func:`queued_job_ids` which queued jobs still have a message.
 
 Why each setting:
 - one task at a time, no hidden prefetch: ``worker_prefetch_multiplier=1``, concurrency 1; a second
@@ -100,7 +100,52 @@ def create_celery_app(settings: Settings) -> Celery:
     return celery
 
 
-def enqueue_render(celery: Celery, job_id: str, *, queue: str, priority: int = 5) -> None:
+def enqueue_render(celery: Celery, job_id: str, *, queue: str, priority: int = 5, retry: bool = True) -> None:
     """Publish the render message for ``job_id`` (the only payload). Redis' priority queue treats a
-    lower number as more urgent, so JobSpec.priority (9 = highest) is inverted here."""
-    celery.send_task(RENDER_TASK_NAME, args=[job_id], queue=queue, priority=9 - max(0, min(9, priority)))
+    lower number as more urgent, so JobSpec.priority (9 = highest) is inverted here.
+
+    ``retry=False`` (the API's submit): one try, so a broker outage fails in milliseconds (or one
+    ``broker_socket_timeout_s`` for a black-holed host) instead of ``task_publish_retry_policy``'s
+    ~33 s; the job row is the truth and the sweeper publishes it later."""
+    pri = 9 - max(0, min(9, priority))
+    if retry:
+        celery.send_task(RENDER_TASK_NAME, args=[job_id], queue=queue, priority=pri)
+        return
+    with celery.producer_or_acquire() as producer:
+        # one connect, not the transport's max_retries=10 back-off (~12 s) on a pooled connection
+        producer.connection.ensure_connection(max_retries=1, interval_start=0, interval_step=0)
+        celery.send_task(RENDER_TASK_NAME, args=[job_id], queue=queue, priority=pri, retry=False, producer=producer)
+
+
+def queued_job_ids(broker_url: str, queue: str, *, timeout_s: float = 5.0) -> set[str] | None:
+    """Job ids of the render messages waiting in ``queue`` (Redis: the ten priority lists kombu
+    keeps, read with LRANGE); None when the broker is not Redis (nothing to look into: the sweeper
+    then republishes by age alone). Messages delivered to a worker but not acked (kombu's
+    ``unacked`` hash) are not counted: a queued job whose message sits there was taken by a worker
+    that died before claiming it, and only a new message wakes another one. Raises the broker's
+    error when Redis is unreachable (the sweeper then skips its pass)."""
+    if not broker_url.startswith(("redis://", "rediss://")):
+        return None
+    import base64
+    import json
+
+    import redis
+
+    client = redis.Redis.from_url(broker_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    try:
+        # kombu's priority sub-queues: the bare name for priority 0, name + "\x06\x16" + n for the rest
+        keys = [queue, *(f"{queue}\x06\x16{n}" for n in range(1, 10))]
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.lrange(key, 0, -1)
+        ids: set[str] = set()
+        for messages in pipe.execute():
+            for raw in messages:
+                try:
+                    body = json.loads(base64.b64decode(json.loads(raw)["body"]))
+                    ids.add(str(body[0][0]))
+                except (ValueError, KeyError, IndexError, TypeError):
+                    continue  # not one of ours (or another protocol): never blocks a republish
+        return ids
+    finally:
+        client.close()

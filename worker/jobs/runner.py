@@ -11,7 +11,7 @@ and progress (``RenderEvent``), which arrive here in order and are relayed by th
 :class:`~pipeline.placement.relay.SinkRelay` to the real sinks (uploads and lease-fenced commits happen in this process, next to the job row). The
 ranks keep their modules between jobs, so the model family is loaded once per worker, not per job.
 
-Stopping: ``stop_reason`` is polled; on ``"cancel"`` or ``"lease_lost"`` the job's cancel flag is
+Stopping: ``stop_reason`` is polled; on ``"cancel"``, ``"lease_lost"`` or ``"drain"`` the job's cancel flag is
 set and the render ends between chunks; if it has not ended after ``cancel_grace_s`` the engine
 kills its ranks (they are restarted, cold, by the next job). A rank that dies mid-job ends the
 attempt with the engine's ``RankDiedError`` (retryable, names the rank, pid and signal). The ranks
@@ -48,7 +48,7 @@ if TYPE_CHECKING:  # torch is imported only where the engine is used, never by t
 
 log = logging.getLogger(__name__)
 
-OutcomeStatus = Literal["succeeded", "cancelled", "failed", "stopped"]
+OutcomeStatus = Literal["succeeded", "cancelled", "failed", "stopped", "drained"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,8 @@ class RenderJob:
 
 @dataclass(frozen=True)
 class RenderOutcome:
-    """How an attempt ended. ``stopped``: the parent stopped it because the lease was lost."""
+    """How an attempt ended. ``stopped``: the parent stopped it because the lease was lost;
+    ``drained``: stopped between chunks because the worker is shutting down (SIGTERM)."""
 
     status: OutcomeStatus
     code: str | None = None
@@ -284,4 +285,6 @@ class NodeExecutor:
                 relay.close(ok=False)
         if stop and stop[0] == "lease_lost":
             return RenderOutcome(status="stopped", code="lease_lost", message="lease lost")
+        if stop and stop[0] == "drain" and outcome.status == "cancelled":
+            return RenderOutcome(status="drained", code="drained", message="worker shutting down")
         return outcome

@@ -8,8 +8,9 @@ Who calls what:
 - the API / client / CLI: :meth:`JobStore.create`, :meth:`get`, :meth:`list`, :meth:`request_cancel`;
 - the Celery task (:mod:`worker.jobs.tasks`): :meth:`claim`, :meth:`heartbeat`, :meth:`commit_segment`
   (from the delivery sink's ``on_commit``), :meth:`finish`, :meth:`fail`, :meth:`requeue`,
-  :meth:`mark_cancelled`, :meth:`cancel_requested`;
-- the reaper (a thread in every worker, or ``longtake reap``): :meth:`requeue_expired`.
+  :meth:`release` (drain on SIGTERM), :meth:`mark_cancelled`, :meth:`cancel_requested`;
+- the reaper (a thread in every worker, or ``longtake reap``): :meth:`requeue_expired`, and the
+  outbox sweep :meth:`take_unpublished` (the API calls :meth:`mark_unpublished` when a send fails).
 
 Leases. ``claim`` is one conditional UPDATE: it succeeds when the job is ``queued``, or ``running``
 with an expired lease that the reaper has not requeued yet (we take it over directly: a redelivered
@@ -32,6 +33,8 @@ from __future__ import annotations
 import builtins
 import logging
 import re
+import threading
+import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -68,6 +71,37 @@ class JobStore:
         self.engine = engine
         self.default_max_attempts = max_attempts
         self._retry = retry or DbRetry()
+        # lease token -> monotonic time until which this process knows the lease valid (claim,
+        # heartbeat and commit each extend it): check_lease answers from it without a query
+        self._valid_until: dict[str, float] = {}
+        self._clock_lock = threading.Lock()
+
+    def _renewed(self, lease_token: str, lease_s: float, started: float) -> None:
+        with self._clock_lock:
+            self._valid_until[lease_token] = max(self._valid_until.get(lease_token, 0.0), started + lease_s)
+
+    def check_lease(self, lease: Lease, *, margin_s: float | None = None) -> None:
+        """Raise :class:`LeaseLostError` unless ``lease`` still owns the job: the fence of object
+        writes (the delivery calls it before every upload). Answered from this process's own
+        record while more than ``margin_s`` (default half the lease) of the last renewal is left —
+        no other worker can claim a job before its lease expires — else by a fenced read. A frozen
+        worker (SIGSTOP, a long GC pause) wakes past that margin, so its next write is checked
+        against the row."""
+        margin = lease.lease_s / 2 if margin_s is None else margin_s
+        with self._clock_lock:
+            valid_until = self._valid_until.get(lease.token, 0.0)
+        if time.monotonic() + margin < valid_until:
+            return
+
+        def op() -> bool:
+            with self.engine.connect() as conn:
+                return conn.scalar(select(JobRow.id).where(_fenced(lease))) is not None
+
+        if not self._retry(op, what=f"check lease of job {lease.job_id}"):
+            raise LeaseLostError(
+                f"job {lease.job_id}: lease {lease.token} of {lease.owner!r} is no longer valid "
+                "(another worker took the job over); object write refused"
+            )
 
     def _greatest(self, column: Any, value: int) -> Any:
         # SQLite's two-argument max() is PostgreSQL's greatest()
@@ -107,6 +141,10 @@ class JobStore:
                         created_at=now,
                         queued_at=now,
                         updated_at=now,
+                        # optimistic outbox mark: the caller publishes next and calls
+                        # mark_unpublished if that fails; a caller that dies in between leaves a
+                        # row the sweeper republishes once its message is found missing
+                        published_at=now,
                         outputs={},
                         outputs_partial=False,
                     )
@@ -185,6 +223,7 @@ class JobStore:
         token = str(uuid.uuid4())
 
         def op() -> Lease | None:
+            started = time.monotonic()
             now = _utcnow()
             expires = now + timedelta(seconds=lease_s)
             with Session(self.engine) as s, s.begin():
@@ -220,6 +259,7 @@ class JobStore:
                         return None
                     mine = s.get(JobRow, job_id, populate_existing=True)
                     assert mine is not None
+                self._renewed(token, lease_s, started)
                 return Lease(
                     job_id=job_id,
                     owner=owner,
@@ -236,6 +276,7 @@ class JobStore:
         lease is lost: the caller must stop the render. Repeating is harmless."""
 
         def op() -> bool:
+            started = time.monotonic()
             now = _utcnow()
             values: dict[str, Any] = {
                 "lease_expires_at": now + timedelta(seconds=lease.lease_s),
@@ -250,7 +291,10 @@ class JobStore:
                     values["num_frames"] = progress.num_frames
             with self.engine.begin() as conn:
                 res = conn.execute(update(JobRow).where(_fenced(lease)).values(**values))
-                return bool(res.rowcount == 1)
+            if res.rowcount != 1:
+                return False
+            self._renewed(lease.token, lease.lease_s, started)
+            return True
 
         return self._retry(op, what=f"heartbeat job {lease.job_id}")
 
@@ -263,7 +307,7 @@ class JobStore:
         re-uploaded that index, and its object is the one now in storage).
         """
 
-        def op() -> None:
+        def write(started: float) -> None:
             now = _utcnow()
             with Session(self.engine) as s, s.begin():
                 # this UPDATE takes the job row lock first, serialising with claim/reaper
@@ -318,6 +362,11 @@ class JobStore:
                     )
                     .execution_options(synchronize_session=False)
                 )
+
+        def op() -> None:
+            started = time.monotonic()
+            write(started)  # committed (or raised): the lease was extended from `started`
+            self._renewed(lease.token, lease.lease_s, started)
 
         self._retry(op, what=f"commit segment {seg.index} of job {lease.job_id}")
 
@@ -432,6 +481,7 @@ class JobStore:
                     .values(
                         status="queued",
                         queued_at=now,
+                        published_at=now,  # the caller publishes next
                         updated_at=now,
                         lease_owner=None,
                         lease_expires_at=None,
@@ -465,6 +515,40 @@ class JobStore:
             "fail",
         )
         return False
+
+    def release(self, lease: Lease, *, reason: str) -> None:
+        """Hand the job back without charging the attempt (the worker is shutting down: SIGTERM
+        drain): queued again with ``attempts - 1``, lease cleared, outbox mark set (the caller
+        publishes next). Fenced (LeaseLostError)."""
+
+        def op() -> None:
+            now = _utcnow()
+            with self.engine.begin() as conn:
+                res = conn.execute(
+                    update(JobRow)
+                    .where(_fenced(lease))
+                    .values(
+                        status="queued",
+                        attempts=JobRow.attempts - 1,
+                        queued_at=now,
+                        published_at=now,
+                        updated_at=now,
+                        lease_owner=None,
+                        lease_token=None,
+                        lease_expires_at=None,
+                    )
+                )
+                if res.rowcount == 1:
+                    return
+                # a repeat whose first try landed: the row is queued again, no longer under our token
+                row = conn.execute(select(JobRow.status, JobRow.lease_token).where(JobRow.id == lease.job_id)).first()
+                if row is not None and row[0] == "queued" and row[1] is None:
+                    return
+                raise LeaseLostError(f"job {lease.job_id}: lease {lease.token} lost; not released ({reason})")
+
+        self._retry(op, what=f"release job {lease.job_id}")
+        log.info("job %s handed back (%s); attempt %d not counted", lease.job_id, reason, lease.attempt,
+                 extra={"job_id": lease.job_id})
 
     # ------------------------------------------------------------------ cancel
     def request_cancel(self, job_id: str, *, tenant: str) -> bool:
@@ -524,11 +608,17 @@ class JobStore:
         return self._retry(op, what=f"read delivery state of job {job_id}")
 
     # ------------------------------------------------------------------ reaper
-    def requeue_expired(self, *, now: datetime | None = None, limit: int = 100) -> builtins.list[str]:
+    def requeue_expired(
+        self, *, now: datetime | None = None, limit: int = 100, min_db_uptime_s: float = 0.0
+    ) -> builtins.list[str]:
         """Requeue running jobs whose lease expired; returns the requeued ids (the caller
         publishes a message for each). Jobs out of attempts are failed with the reason; jobs with
         a pending cancel are cancelled. Each row is changed by a conditional UPDATE on the token
-        it was seen with, so reapers on many workers and late heartbeats cannot race it."""
+        it was seen with, so reapers on many workers and late heartbeats cannot race it.
+
+        ``min_db_uptime_s`` (PostgreSQL): reap nothing while the server has been up for less than
+        that — after a restart every lease looks expired though its holder is alive and about to
+        heartbeat (see :func:`worker.jobs.reaper.reaper_loop`)."""
 
         # kept across retries: a retry after a dropped connection must still return the ids the
         # first try requeued (their rows no longer match, and each needs its message published)
@@ -537,6 +627,11 @@ class JobStore:
         def op() -> builtins.list[str]:
             t = now or _utcnow()
             with self.engine.connect() as conn:
+                if min_db_uptime_s > 0 and self.engine.dialect.name == "postgresql":
+                    started = conn.scalar(select(func.pg_postmaster_start_time()))
+                    if started is not None and aware(started) > t - timedelta(seconds=min_db_uptime_s):
+                        log.info("reaper: PostgreSQL restarted at %s; leases are not reaped yet", started)
+                        return requeued
                 expired = conn.execute(
                     select(
                         JobRow.id,
@@ -582,6 +677,7 @@ class JobStore:
                     values = {
                         "status": "queued",
                         "queued_at": t,
+                        "published_at": t,  # reap_once publishes next
                         "lease_owner": None,
                         "error_code": "lease_expired",
                         "error_message": f"{why}; requeued",
@@ -599,3 +695,65 @@ class JobStore:
             return requeued
 
         return self._retry(op, what="requeue expired leases")
+
+    # ------------------------------------------------------------------ outbox (the sweeper)
+    def mark_unpublished(self, job_id: str) -> None:
+        """The message of a queued job could not be sent (broker down): leave it to the sweeper,
+        which publishes unpublished rows on its next pass (the API calls this after a failed send)."""
+
+        def op() -> None:
+            with self.engine.begin() as conn:
+                conn.execute(
+                    update(JobRow)
+                    .where(JobRow.id == job_id, JobRow.status == "queued")
+                    .values(published_at=None)
+                )
+
+        self._retry(op, what=f"mark job {job_id} unpublished")
+
+    def take_unpublished(
+        self,
+        *,
+        republish_after_s: float,
+        live: builtins.set[str],
+        now: datetime | None = None,
+        limit: int = 500,
+    ) -> builtins.list[tuple[str, int]]:
+        """Queued jobs whose message must be (re)sent: never published (``published_at`` NULL),
+        or published more than ``republish_after_s`` ago and not among the ``live`` message ids
+        the broker still holds. Each returned row was stamped ``published_at = now`` by a
+        conditional UPDATE on the value it was seen with, so of many sweepers exactly one
+        republishes a given job per interval. Returns ``(job_id, priority)``; the caller
+        publishes each (and calls :meth:`mark_unpublished` when that fails)."""
+        taken: builtins.list[tuple[str, int]] = []
+
+        def op() -> builtins.list[tuple[str, int]]:
+            t = now or _utcnow()
+            stale = t - timedelta(seconds=republish_after_s)
+            with self.engine.connect() as conn:
+                rows = conn.execute(
+                    select(JobRow.id, JobRow.priority, JobRow.published_at)
+                    .where(
+                        JobRow.status == "queued",
+                        JobRow.cancel_requested.is_(False),
+                        or_(JobRow.published_at.is_(None), JobRow.published_at < stale),
+                    )
+                    .order_by(JobRow.priority.desc(), JobRow.queued_at)
+                    .limit(limit)
+                ).all()
+            done = {job_id for job_id, _ in taken}
+            for job_id, priority, seen in rows:
+                if job_id in live or job_id in done:
+                    continue
+                seen_cond = JobRow.published_at.is_(None) if seen is None else JobRow.published_at == seen
+                with self.engine.begin() as conn:
+                    res = conn.execute(
+                        update(JobRow)
+                        .where(JobRow.id == job_id, JobRow.status == "queued", seen_cond)
+                        .values(published_at=t)
+                    )
+                if res.rowcount == 1:
+                    taken.append((job_id, int(priority)))
+            return taken
+
+        return self._retry(op, what="take unpublished queued jobs")

@@ -95,6 +95,10 @@ class JobRow(Base):
     outputs_partial: Mapped[bool] = mapped_column(Boolean, default=False)
     # opaque delivery state (e.g. an in-progress multipart upload) the sink needs to resume
     delivery_state: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # the outbox mark of a queued job: when its Celery message was last sent; NULL = not sent yet
+    # (the broker was down at submit). The sweeper (worker.jobs.reaper) publishes NULL rows and
+    # republishes rows whose message is no longer in the broker.
+    published_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class SegmentRow(Base):

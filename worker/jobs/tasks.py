@@ -19,7 +19,8 @@ One attempt:
    cancel flag every ``cancel_poll_s``) and run the render on :class:`worker.jobs.runner.NodeExecutor`.
 5. End the row by outcome: finish | mark_cancelled (+ abandon the multipart upload) | requeue and
    publish a new message (retryable error, attempts left) | fail | nothing (lease lost: the row
-   belongs to someone else now).
+   belongs to someone else now) | release and publish (drained: the worker got SIGTERM; the
+   attempt is not counted).
 """
 
 from __future__ import annotations
@@ -42,13 +43,14 @@ from pipeline.errors import InvalidInputError, RenderError
 from pipeline.media_types import Fragment
 from pipeline.placement.render_job import RankRenderRequest
 from pipeline.request import Renderer, RenderProgress, RenderRequest
+from worker.access import InputGrants, InputRefusedError
 from worker.delivery.job_delivery import DeliveryFactory, JobDelivery, s3_delivery
 from worker.delivery.keys import upload_key
 from worker.delivery.segment import SegmentRecord
 from worker.delivery.storage import open_object_store
 from worker.errors import LeaseLostError, ObjectNotFoundError
 from worker.jobs import metrics
-from worker.jobs.db import DbRetry, make_engine
+from worker.jobs.db import DbRetry, is_connection_error, make_engine
 from worker.jobs.lease import LeaseKeeper
 from worker.jobs.queue import enqueue_render
 from worker.jobs.records import JobRecord, Lease, Progress
@@ -66,6 +68,8 @@ class JobWorker:
 
     _instances: dict[int, JobWorker] = {}
     _lock = threading.Lock()
+    # set once by request_drain (SIGTERM): the running attempt stops between chunks and is handed back
+    drain_requested = threading.Event()
 
     def __init__(
         self,
@@ -85,7 +89,8 @@ class JobWorker:
         self.store = JobStore(
             self.engine,
             max_attempts=settings.max_attempts,
-            retry=DbRetry(settings.db_retry_attempts, settings.db_retry_max_wait_s),
+            # an outage up to db_outage_max_s is ridden out: the render goes on, commits wait
+            retry=DbRetry(settings.db_retry_attempts, settings.db_retry_max_wait_s, max_s=settings.db_outage_max_s),
         )
         self.owner = settings.worker_name or f"{socket.gethostname()}:{os.getpid()}"
         self.delivery_factory = delivery
@@ -119,10 +124,19 @@ class JobWorker:
                 atexit.register(inst.node.close, settings.kill_grace_s)  # ranks also die with the process (PDEATHSIG)
             return inst
 
+    @classmethod
+    def request_drain(cls) -> None:
+        """The worker is shutting down (Celery's ``worker_shutting_down``, i.e. SIGTERM, connected by
+        :mod:`worker.jobs.celery_app`): the running render stops between chunks, the job is
+        released without charging its attempt and republished, so another worker resumes it within
+        one chunk plus the drain instead of after the whole job (or the lease, once killed)."""
+        if not cls.drain_requested.is_set():
+            log.warning("shutdown requested: the running job (if any) is handed back after this chunk")
+        cls.drain_requested.set()
+
     # ------------------------------------------------------------------------------ one attempt
     def run(self, job_id: str) -> str:
         """Claim and render ``job_id``; returns how the attempt ended (for logs and tests)."""
-        metrics.start_metrics_server(self.settings.metrics_port, self.store.count_by_status)
         with job_context(job_id):
             lease = self.store.claim(job_id, owner=self.owner, lease_s=self.settings.lease_s)
             if lease is None:
@@ -138,16 +152,22 @@ class JobWorker:
                 log.warning("lease lost: %s", exc)
                 outcome = "lease_lost"
             except Exception as exc:
-                # a bug or an outage in this worker, not in the render: give the attempt back now
-                # instead of leaving the lease to expire
-                log.exception("attempt %d broke in the worker", lease.attempt)
-                outcome = self._retry_or_fail(
-                    lease,
-                    None,
-                    code="worker_error",
-                    retryable=True,
-                    message=f"worker {self.owner} failed: {type(exc).__name__}: {exc}",
-                )
+                if is_connection_error(exc):
+                    # nothing can be written: the row stays running and the reaper requeues it
+                    log.error("database unreachable for db_outage_max_s; attempt %d abandoned: %s",
+                              lease.attempt, exc)
+                    outcome = "db_unreachable"
+                else:
+                    # a bug or an outage in this worker, not in the render: give the attempt back
+                    # now instead of leaving the lease to expire
+                    log.exception("attempt %d broke in the worker", lease.attempt)
+                    outcome = self._retry_or_fail(
+                        lease,
+                        None,
+                        code="worker_error",
+                        retryable=True,
+                        message=f"worker {self.owner} failed: {type(exc).__name__}: {exc}",
+                    )
             finally:
                 metrics.BUSY.set(0)
             metrics.ATTEMPTS.labels(outcome).inc()
@@ -169,7 +189,25 @@ class JobWorker:
             except LeaseLostError:
                 lost.set()
                 raise
+            except Exception as exc:
+                if not is_connection_error(exc):
+                    raise
+                # the database stayed away for db_outage_max_s: the lease can no longer be proven;
+                # stop like a lost lease, the reaper hands the job on once the database is back
+                lost.set()
+                raise LeaseLostError(
+                    f"job {lease.job_id}: database unreachable for db_outage_max_s="
+                    f"{self.settings.db_outage_max_s:g} s; segment {seg.index} was not committed and "
+                    "the attempt stops (the job resumes after its last committed segment)"
+                ) from exc
             metrics.SEGMENTS.inc()
+
+        def fence() -> None:
+            try:
+                self.store.check_lease(lease)
+            except LeaseLostError:
+                lost.set()
+                raise
 
         try:
             committed = self.store.segments(lease.job_id)
@@ -180,6 +218,8 @@ class JobWorker:
                 spec=rec.spec,
                 committed=committed,
                 on_commit=on_commit,
+                attempt=lease.attempt,
+                fence=fence,
             )
             image = self._fetch(rec, rec.spec.image, "image", workdir)
             audio = self._fetch(rec, rec.spec.audio, "audio", workdir)
@@ -222,6 +262,7 @@ class JobWorker:
             cancel_poll_s=s.cancel_poll_s,
             # the render thread's own watchdog (progress_timeout_s, then the kill) acts first
             stall_s=s.progress_timeout_s + s.cancel_grace_s + s.lease_s,
+            drain=self.drain_requested,
         )
         claimed_at = time.monotonic()
         first_fragment_at: list[float] = []
@@ -290,10 +331,22 @@ class JobWorker:
 
     def _end(self, lease: Lease, delivery: JobDelivery, outcome: RenderOutcome) -> str:
         if outcome.status == "succeeded":
+            # what the row will claim must exist (issue 17 item 6: a store that lost data mid-render)
+            problem = delivery.verify(self.store.segments(lease.job_id))
+            if problem is not None:
+                return self._retry_or_fail(
+                    lease, delivery, code="output_missing", retryable=True,
+                    message=f"outputs failed verification at finish: {problem}",
+                )
             self.store.finish(lease, outputs=delivery.outputs())
             return "succeeded"
         if outcome.status == "stopped":
             return "lease_lost"
+        if outcome.status == "drained":
+            # the committed segments and the multipart upload stay for the next attempt
+            self.store.release(lease, reason=f"worker {self.owner} shutting down")
+            self._publish(lease.job_id)
+            return "drained"
         if outcome.status == "cancelled":
             delivery.abandon()
             self.store.mark_cancelled(lease, partial_outputs=delivery.partial_outputs())
@@ -342,7 +395,13 @@ class JobWorker:
         return delivery.load_state(with_state[-1].state_key)  # type: ignore[arg-type]
 
     def _fetch(self, rec: JobRecord, uri: str, field: str, workdir: Path) -> Path:
-        """A local path for an input URI (downloads s3:// and upload:// into ``workdir``)."""
+        """A local path for an input URI (downloads s3:// and upload:// into ``workdir``), after the
+        same grant check the API made at submit (:class:`worker.access.InputGrants`): this worker's
+        credentials must not read for the job's tenant what the tenant may not name."""
+        try:
+            InputGrants.from_settings(self.settings).check(rec.tenant, field, uri)
+        except InputRefusedError as exc:
+            raise InvalidInputError(exc.message, field=field) from exc
         parts = urlsplit(uri)
         if parts.scheme == "file":
             try:

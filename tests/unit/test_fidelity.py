@@ -1,0 +1,155 @@
+"""bench.fidelity: each metric on videos whose answer is known (ground truth vs itself, accessories
+erased or faded, blur, a head shifted at a seam), the pose fit against the generator's poses, the
+aggregate, the contact sheet and the CLI path with a perfect 'model'."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image, ImageFilter
+
+from bench.fidelity import FidelityMeter, aggregate, contact_sheet, ratios, run_fidelity, ssim_map
+from bench.quality import chunk_boundaries, load_audio
+from models.avatars.dataset import AvatarRenderer, FrameTruth
+from models.avatars.face import FaceRenderer, HeadPose
+from models.avatars.speech import speechlike_signal
+
+GLASSES, HAT = 1_000_000, 1_000_006  # held-out identities wearing glasses / a hat
+N = 40
+SEAMS = chunk_boundaries(N, 16, 4, 4, True)  # [16, 20, 32, 36]
+
+
+def _clip(seed: int, n: int = N) -> tuple[AvatarRenderer, list[np.ndarray], list[FrameTruth]]:
+    r = AvatarRenderer(seed, motion_seed=17)
+    frames, truths = zip(*r.stream(speechlike_signal(3, n / 25), num_frames=n), strict=True)
+    return r, list(frames), list(truths)
+
+
+def _score(r: AvatarRenderer, frames: list[np.ndarray], truths: list[FrameTruth]) -> tuple[FidelityMeter, dict]:
+    m = FidelityMeter(r)
+    for f, t in zip(frames, truths, strict=True):
+        m.add(f, t.mouth_open, t.mouth_width)
+    return m, m.summary(SEAMS)
+
+
+@pytest.fixture(scope="module")
+def glasses() -> tuple[AvatarRenderer, list[np.ndarray], list[FrameTruth], FidelityMeter, dict]:
+    r, frames, truths = _clip(GLASSES)
+    meter, summary = _score(r, frames, truths)
+    return r, frames, truths, meter, summary
+
+
+def test_ground_truth_against_itself(glasses: tuple) -> None:
+    r, frames, truths, meter, truth = glasses
+    # the pose fit finds the generator's poses (what alignment rests on)
+    err = [np.hypot(p[0] - t.pose.dx, p[1] - t.pose.dy) for p, t in zip(meter.pose_log, truths, strict=True)]
+    assert np.mean(err) < 0.2 and max(err) < 0.5
+    assert np.mean([abs(p[2] - t.pose.angle_deg) for p, t in zip(meter.pose_log, truths, strict=True)]) < 0.3
+    assert truth["presence_glasses"] == 1.0 and truth["presence_hat"] is None
+    assert truth["dist_background"] == 0.0 and truth["dist_skin"] < 2.0 and truth["ssim_head"] > 0.95
+    assert truth["dist_mouth"] is not None  # the clip speaks: open-mouth frames add mouth pixels
+    # scoring is deterministic: the same frames give the same summary, every ratio exactly 1
+    first = _score(r, frames[:8], truths[:8])[1]
+    assert set(ratios(_score(r, frames[:8], truths[:8])[1], first).values()) == {1.0}
+    assert 0.5 < truth["seam_jump_score"] < 1.6  # no jump: seams move like any other frame
+
+
+def test_glasses_erased_or_faded(glasses: tuple) -> None:
+    r, _, truths, _, truth = glasses
+    bare = FaceRenderer(r.identity.without("glasses"))
+    plain = [bare.render(t.pose, t.mouth_open, t.mouth_width, t.blink) for t in truths[:8]]
+    s = _score(r, plain, truths[:8])[1]
+    assert s["presence_glasses"] == 0.0 and ratios(s, truth)["presence_glasses"] == 0.0
+    assert s["dist_glasses"] > 5 * max(truth["dist_glasses"], 1.0)
+    # "visibly there": the majority of distinguishable pixels nearer the reference than the bare face
+    on = [r.face.render(t.pose, t.mouth_open, t.mouth_width, t.blink) for t in truths[:8]]
+    for alpha, expected in ((0.75, 1.0), (0.25, 0.0)):
+        mix = [np.round(alpha * a + (1 - alpha) * b).astype(np.uint8) for a, b in zip(on, plain, strict=True)]
+        assert _score(r, mix, truths[:8])[1]["presence_glasses"] == expected, alpha
+
+
+def test_hat_erased() -> None:
+    r, _, truths = _clip(HAT, 10)
+    bare = FaceRenderer(r.identity.without("hat"))
+    frames = [bare.render(t.pose, t.mouth_open, t.mouth_width, t.blink) for t in truths]
+    assert _score(r, frames, truths)[1]["presence_hat"] == 0.0
+
+
+def test_blur_drops_ssim(glasses: tuple) -> None:
+    r, frames, truths, _, truth = glasses
+    blurred = [np.asarray(Image.fromarray(f).filter(ImageFilter.GaussianBlur(1.5))) for f in frames[:8]]
+    s = _score(r, blurred, truths[:8])[1]
+    rat = ratios(s, truth)
+    assert s["ssim_head"] < truth["ssim_head"] - 0.05 and rat["dssim_head"] > 2.0
+    assert rat["dssim_brows"] > 2.0 and rat["dist_brows"] > 1.5
+    assert s["dist_background"] < 3.0  # smooth background: blur barely moves its colour means
+
+
+def test_shifted_head_at_a_seam_raises_the_jump(glasses: tuple) -> None:
+    r, _, truths, _, truth = glasses
+    shifted = []
+    for t, tr in enumerate(truths):  # the chunk [16, 32) is drawn 3 px right and 2 px down
+        p = tr.pose
+        if 16 <= t < 32:
+            p = HeadPose(p.dx + 3, p.dy + 2, p.angle_deg, p.scale)
+        shifted.append(r.face.render(p, tr.mouth_open, tr.mouth_width, tr.blink))
+    s = _score(r, shifted, truths)[1]
+    assert s["seam_jump_score"] > 3 * truth["seam_jump_score"] and s["seam_jump_px"] > 1.5
+    assert ratios(s, truth)["seam_jump_score"] > 3
+    assert s["seam_outline_score"] >= truth["seam_outline_score"]
+
+
+def test_ssim_map() -> None:
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 256, (32, 32, 3)).astype(np.float32)
+    assert np.allclose(ssim_map(a, a), 1.0)
+    assert ssim_map(a, rng.permutation(a.reshape(-1, 3)).reshape(a.shape)).mean() < 0.2  # unrelated
+    assert 0.5 < ssim_map(a, np.clip(a + rng.normal(0, 20, a.shape), 0, 255)).mean() < 0.99
+
+
+def test_ratios_floors_and_aggregate() -> None:
+    m = {"frames": 10, "dist_background": 3.0, "dist_hat": None, "ssim_head": 0.8, "presence_glasses": 0.5,
+         "seam_jump_score": 2.0}
+    g = {"frames": 10, "dist_background": 0.0, "dist_hat": 2.0, "ssim_head": 0.995, "presence_glasses": 1.0,
+         "seam_jump_score": 1.0}
+    assert ratios(m, g) == {"dist_background": 3.0, "dssim_head": 20.0, "presence_glasses": 0.5,
+                            "seam_jump_score": 2.0}
+    rows = [{"accessories": ["glasses"], "model": m, "truth": g},
+            {"accessories": [], "model": {**m, "presence_glasses": None, "dist_background": 5.0},
+             "truth": {**g, "presence_glasses": None}}]
+    agg = aggregate(rows)
+    assert agg["all"]["identities"] == 2 and agg["with_accessories"]["identities"] == 1
+    assert agg["all"]["model_dist_background"] == 4.0 and agg["all"]["ratio_dist_background"] == 4.0
+    assert agg["all"]["ratio_presence_glasses"] == 0.5 and "model_presence_glasses" not in agg["without_accessories"]
+
+
+def test_run_fidelity_with_a_perfect_model_and_the_sheet(tmp_path: Path) -> None:
+    """render_fn renders the ground truth itself: every ratio is 1 and the sheet is written."""
+
+    def render_fn(image: Path, audio: Path, seconds: float, use_i: bool, out_dir: Path
+                  ) -> tuple[Iterator[np.ndarray], list[int]]:
+        ref = np.asarray(Image.open(image))
+        seed = next(s for s in (GLASSES, GLASSES + 1) if np.array_equal(AvatarRenderer(s).reference(), ref))
+        n = int(seconds * 25)
+        r = AvatarRenderer(seed, motion_seed=17)
+        return (f for f, _ in r.stream(load_audio(audio), num_frames=n)), chunk_boundaries(n, 16, 4, 4, use_i)
+
+    out = run_fidelity(1, 1.0, 0, render_fn, sheet=tmp_path / "sheet.png")
+    (row,) = out["identities"]
+    assert row["identity_seed"] == GLASSES and row["accessories"] == ["glasses"]
+    # the 'model' hears the 16-bit WAV, the ground truth the float audio: mouths differ by a hair
+    assert all(abs(v - 1.0) < 0.1 for v in row["ratio"].values()), row["ratio"]
+    assert all(v == 1.0 for k, v in row["ratio"].items() if k in ("dist_brows", "dist_glasses", "presence_glasses"))
+    assert out["aggregate"]["all"]["ratio_presence_glasses"] == 1.0
+    sheet = Image.open(tmp_path / "sheet.png")
+    assert sheet.width > 4 * 192 and sheet.height > 2 * 192
+
+
+def test_contact_sheet_layout(tmp_path: Path) -> None:
+    f = np.full((64, 64, 3), 200, np.uint8)
+    contact_sheet([("a", f, [f, f], [f, f]), ("b", f, [f, f], [f, f])], [0, 5], tmp_path / "s.png", tile=32)
+    img = np.asarray(Image.open(tmp_path / "s.png"))
+    assert img.shape[0] > 2 * 2 * 32 and img.shape[1] > 3 * 32
