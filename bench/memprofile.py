@@ -7,7 +7,7 @@ with the emission lane) of a generated speech WAV and, from ``on_progress`` (the
 once per published emission), records:
 
 * ``rss`` (``VmRSS``), ``anon`` / ``file`` (``/proc/self/smaps_rollup``: anonymous and file-backed
-  resident pages — the audio memmap and the shared libraries are the file part);
+  resident pages: the shared libraries, and the audio tracks while they were memory-mapped);
 * glibc malloc (``mallinfo2``): ``heap_in_use`` (``uordblks``, live small/medium blocks in all
   arenas), ``heap_free`` (``fordblks``, free bytes the arenas keep, resident or not), ``mmapped``
   (``hblkhd``, live blocks served by mmap) and ``arenas`` (from ``malloc_info``);

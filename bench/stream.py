@@ -3,9 +3,10 @@
     python -m bench.stream --preset tiny --seconds 10 --mode streaming --json
 
 Prints one JSON object: ttff_s, frames, video_s, wall_s, realtime_factor (video seconds per wall
-second), peak_rss_bytes, rss_per_minute_mb (the highest RSS sampled in each minute of video, one
-sample per emission), rss_slope_mb_per_10min (least-squares slope of those maxima, first minute left
-out: the warm-up), stage_s, model_s (per model and total), encode_s and overhead_ratio
+second), peak_rss_bytes, rss_per_minute_mb (the peak RSS of each minute of video: ``VmHWM``,
+reset through ``/proc/self/clear_refs`` when a minute ends; ``peak_rss_bytes`` is the highest of them),
+rss_slope_mb_per_10min (least-squares slope of the whole minutes' peaks, the first one left out: the
+warm-up), stage_s, model_s (per model and total), encode_s and overhead_ratio
 (wall / (model + encode); below 1 where lanes overlap). Run each mode in its own process (peak RSS
 is a process high-water mark); ``--compare`` does that for both modes side by side and prints the
 ratios. ``--no-overlap`` runs SR + decode on the render loop instead of the emission lane (the
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -32,9 +32,14 @@ from bench.inputs import DEMO_IMAGE, speech_wav
 from bench.memprofile import slope_per_10min
 
 
-def current_rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def reset_peak_rss() -> bool:
+    """Start ``VmHWM`` over from the current RSS (Linux >= 4.0); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
 
 
 def process_cpu_s() -> float:
@@ -46,7 +51,7 @@ def run_once(preset: str, seconds: float, mode: str, threads: int | None, image:
              checkpoint: Path | None, seed: int, overlap: bool = True) -> dict[str, object]:
     from pipeline.families import FAMILIES
     from pipeline.family_runtime import WARM_FAMILIES
-    from pipeline.host import default_threads
+    from pipeline.host import default_threads, peak_rss_bytes
     from pipeline.render import RenderProgress, RenderRequest, render
     from pipeline.sinks import FileSink
 
@@ -59,14 +64,22 @@ def run_once(preset: str, seconds: float, mode: str, threads: int | None, image:
                                 checkpoint=checkpoint)
         family = WARM_FAMILIES.get(FAMILIES.get(request.family), preset, checkpoint)
         family.overlap_emissions = overlap
-        per_minute: dict[int, int] = {}
+        per_minute: dict[int, int] = {}  # minute of video -> peak RSS over it
+        minute = 0
 
         def sample_rss(p: RenderProgress) -> None:
-            minute = int(p.frames_done / family.preset.fps // 60)
-            per_minute[minute] = max(per_minute.get(minute, 0), current_rss_bytes())
+            nonlocal minute
+            now = int(p.frames_done / family.preset.fps // 60)
+            if now != minute and reset_possible:
+                per_minute[minute] = peak_rss_bytes()  # the emission that crossed the minute counts to it
+                reset_peak_rss()
+                minute = now
 
+        reset_possible = reset_peak_rss()
         r = render(request, [FileSink(out)], mode=mode, family=family,  # type: ignore[arg-type]
                    on_progress=sample_rss)
+        per_minute[minute] = r.peak_rss_bytes
+        whole = [m for m in sorted(per_minute) if (m + 1) * 60 <= r.duration_s][1:]
         out_bytes = out.stat().st_size
     model_total = sum(r.model_s.values())
     return {
@@ -81,10 +94,9 @@ def run_once(preset: str, seconds: float, mode: str, threads: int | None, image:
         "cpu_s": process_cpu_s() - cpu0,  # every thread's CPU time: steadier than wall on a shared machine
         "realtime_factor": r.duration_s / r.wall_s,
         "fps": r.num_frames / r.wall_s,
-        "peak_rss_bytes": r.peak_rss_bytes,
+        "peak_rss_bytes": max([r.peak_rss_bytes, *per_minute.values()]),
         "rss_per_minute_mb": [per_minute[m] / 2**20 for m in sorted(per_minute)],
-        "rss_slope_mb_per_10min": slope_per_10min([60.0 * m for m in sorted(per_minute)][1:],
-                                                  [per_minute[m] / 2**20 for m in sorted(per_minute)][1:]),
+        "rss_slope_mb_per_10min": slope_per_10min([60.0 * m for m in whole], [per_minute[m] / 2**20 for m in whole]),
         "stage_s": r.stage_s,
         "model_s": {**r.model_s, "total": model_total},
         "encode_s": r.encode_s,

@@ -345,11 +345,12 @@ def _open_audio(path: Path) -> av.container.InputContainer:
     return container
 
 
-def probe_audio(path: Path) -> int:
+def probe_audio_channels(path: Path) -> int:
     """Check the audio at ``path`` from its header and first decoded samples, without decoding the
     rest: what ``longtake render`` runs before importing torch, so a bad file fails in a blink.
     Returns the channel count (the render downmixes to mono; the CLI says so). Raises the
-    :class:`InvalidInputError` that :meth:`AudioSource.open` would."""
+    :class:`InvalidInputError` that :meth:`AudioSource.open` would. (The API's submit-time probe
+    with the duration cap is :func:`pipeline.probe.probe_audio`.)"""
     path = Path(path)
     _check_audio_path(path)
     with _open_audio(path) as container:

@@ -8,7 +8,8 @@ the full loaders of :mod:`pipeline.inputs` (the same rules). Torch-free: PIL and
   the size and pixel-format rules are checked from the header before any pixel is decoded (a
   20000x20000 image costs a header read), then the pixels are decoded once, which is what finds a
   truncated file. Same function as the render, so the rules cannot drift apart.
-* :func:`probe_audio` opens the container, takes the duration from its header and decodes only the
+* :func:`probe_audio` (``pipeline.inputs.probe_audio``, the CLI's, checks no duration and says
+  nothing of an image sent as audio) opens the container, takes the duration from its header and decodes only the
   first frames (a render decodes the whole file into memory maps: hours of audio, not for a submit).
   A file whose header gives no duration is decoded up to the cap, never past it.
 """
@@ -20,7 +21,14 @@ from pathlib import Path
 import av
 
 from pipeline.errors import InvalidInputError
-from pipeline.inputs import _AUDIO_FIX, MIN_IMAGE_SIDE, _audio_error, image_size, load_reference_image
+from pipeline.inputs import (
+    _AUDIO_FIX,
+    MIN_IMAGE_SIDE,
+    _audio_error,
+    _ffmpeg_reason,
+    image_size,
+    load_reference_image,
+)
 
 _PROBE_DECODE_S = 1.0
 """Seconds of audio decoded to prove the stream decodes (with a header duration)."""
@@ -39,7 +47,7 @@ def probe_audio(path: Path, *, max_duration_s: float | None = None) -> float:
     try:
         container = av.open(str(path), mode="r")
     except (av.FFmpegError, UnicodeDecodeError) as e:
-        raise _audio_error(path, f"is not a readable audio file ({e})", _AUDIO_FIX) from e
+        raise _audio_error(path, f"is not a readable audio file ({_ffmpeg_reason(e)})", _AUDIO_FIX) from e
     with container:
         if not container.streams.audio:
             kind = "is a video without an audio track" if container.streams.video else "has no audio stream"
@@ -62,7 +70,7 @@ def probe_audio(path: Path, *, max_duration_s: float | None = None) -> float:
                 if decoded >= decode_s:
                     break
         except av.FFmpegError as e:
-            raise _audio_error(path, f"is corrupt: decoding failed ({e})", "re-export the audio") from e
+            raise _audio_error(path, f"is corrupt: decoding failed ({_ffmpeg_reason(e)})", "re-export the audio") from e
     if decoded <= 0.0:
         raise _audio_error(path, "contains no audio samples (zero length)", "use a non-empty recording")
     duration = header_s if header_s is not None else decoded

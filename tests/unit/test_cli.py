@@ -559,3 +559,44 @@ def test_wait_on_a_finished_job_prints_no_absurd_rates(capsys: pytest.CaptureFix
     out, err = capsys.readouterr()
     assert rc == 0 and "succeeded" in out and "chunks 17/17" in out
     assert "chunk/s" not in err and "0.0 fps" not in err, err
+
+
+@pytest.mark.slow  # `up` starts migrate, a real worker (torch, tiny preset) and the API: ~1-2 min on 2 cores
+def test_first_hour_as_printed_up_export_submit_wait_preview_fetch(tmp_path: Path) -> None:
+    """Issue 18 acceptance: the `longtake up` banner followed literally on the embedded defaults with
+    the real worker and the real pipeline — export, submit --wait, preview (the page plays in
+    headless Chromium), fetch."""
+    import re as _re
+
+    from tests.integration.test_delivery_preview_page import CHROMIUM, page_state
+
+    home = tmp_path / "home"
+    home.mkdir()
+    port = _free_port()
+    proc = start_up(home, port, tmp_path / "up.log")
+    try:
+        lines = read_banner(proc)
+        env = banner_env(lines)
+        submit = banner_command(lines, "submit")
+        done = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:] + (tmp_path / "up.log").read_text()[-3000:]
+        job_id = done.stdout.split()[0]
+        assert "succeeded" in done.stdout
+        lt = submit[: submit.index("submit")]
+        preview = subprocess.run([*lt, "preview", job_id], env=env, capture_output=True, text=True, timeout=120)
+        assert preview.returncode == 0, preview.stderr
+        (url,) = preview.stdout.split()
+        if CHROMIUM is not None:
+            state, detail = page_state(url, tmp_path)
+            assert state == "complete", detail
+            seconds = float(_re.search(r"([\d.]+) s buffered", detail).group(1))  # type: ignore[union-attr]
+            assert seconds > 5, detail  # assets/demo/speech.wav: ~10 s
+        fetch = banner_command(lines, "fetch")
+        fetch[fetch.index("JOB")] = job_id
+        got = subprocess.run(fetch, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert got.returncode == 0, got.stderr
+        video = tmp_path / "out.mp4"
+        assert video.read_bytes()[4:8] == b"ftyp"
+    finally:
+        rc = stop(proc)
+    assert rc == 0, (tmp_path / "up.log").read_text()[-3000:]

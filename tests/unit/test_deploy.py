@@ -44,9 +44,10 @@ OTHER_ENV = {
     "AWS_SECRET_ACCESS_KEY": "boto3 credentials (object store)",
     "AWS_DEFAULT_REGION": "boto3 region (object store)",
 }
-# The render stack the API image leaves out (docker/requirements-api.txt).
-RENDER_ONLY = {"torch", "numpy", "safetensors", "av", "pillow"}
-RENDER_MODULES = ("torch", "numpy", "safetensors", "av", "PIL")
+# What the API image leaves out (docker/requirements-api.txt): the model stack. It keeps numpy, av
+# and pillow for the media probe of uploads at submit, which imports them on its first probe only.
+RENDER_ONLY = {"torch", "safetensors"}
+RENDER_MODULES = ("torch", "numpy", "safetensors", "av", "PIL")  # none imported by `longtake api` at start
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -8,7 +8,7 @@ middleware installed by :func:`worker.api.app.create_app` around the routes; for
 1. authenticates ``/v1/…`` requests from the ``Authorization`` header alone and answers ``401``
    without receiving a byte of the body (a client sending ``Expect: 100-continue`` never gets the
    ``100``, so it sends no body at all). Exempt: ``OPTIONS`` (CORS preflights carry no token) and
-   the signed-link routes (:data:`SIGNED_LINK_SUFFIXES`: players fetch them without a header; the
+   the signed-link routes (:data:`SIGNED_LINK_PATH`: players fetch them without a header; the
    signature is checked by the route);
 2. takes one token from the caller's bucket (:class:`TokenBucket`, per bearer token, **per API
    process**: N processes allow N times the rate); an empty bucket is ``429`` with ``Retry-After``;
@@ -26,6 +26,7 @@ refused a bad token); the gate keeps nothing of the request.
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -38,8 +39,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from worker.api.auth import AuthError
 from worker.api.deps import API_PREFIX, Deps
 
-SIGNED_LINK_SUFFIXES = ("/preview.m3u8",)
-"""``/v1`` routes authorised by a signed link instead of a bearer token (video players send none)."""
+SIGNED_LINK_PATH = re.compile(rf"^{API_PREFIX}/jobs/[^/]+/(preview\.m3u8|preview\.html|preview/[^/]+)$")
+"""``/v1`` routes authorised by a signed link instead of a bearer token (video players and the
+preview page send none): the playlist, the page and the init/segments it lists
+(:mod:`worker.api.preview` checks each link's signature)."""
 
 MULTIPART_OVERHEAD_BYTES = 1024 * 1024
 """Room for the multipart framing and the ``spec`` form field around the files."""
@@ -128,7 +131,7 @@ class RequestGate:
     def _authenticate(self, scope: Scope, path: str, headers: Headers) -> JSONResponse | None:
         if not path.startswith(f"{API_PREFIX}/") or scope["method"] == "OPTIONS":
             return None
-        if path.endswith(SIGNED_LINK_SUFFIXES):
+        if SIGNED_LINK_PATH.match(path):
             return None
         authorization = headers.get("authorization")
         try:

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import BinaryIO
 
 from pipeline.errors import InvalidInputError
-from pipeline.probe import probe_audio, probe_image
 from worker.api.deps import ApiError, Deps
 
 _SUFFIX_RE = re.compile(r"^\.[A-Za-z0-9]{1,8}$")
@@ -46,6 +45,10 @@ def probe_stored(deps: Deps, field: str, key: str, uri: str) -> None:
 
 
 def _probe(deps: Deps, field: str, path: Path, shown: str) -> None:
+    # Imported on the first probe: `import worker.api` and /healthz stay free of numpy, PyAV and
+    # Pillow (tests/unit/test_deploy.py); the API image installs them for this probe, not torch.
+    from pipeline.probe import probe_audio, probe_image
+
     try:
         if field == "image":
             probe_image(path)

@@ -26,19 +26,25 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from pipeline.errors import InvalidInputError, RenderError
-from pipeline.inputs import load_reference_image, probe_audio, validate_hls_directory, validate_output_path
-from pipeline.request import MAX_TEXT_CHARS
+from pipeline.inputs import (
+    load_reference_image,
+    probe_audio_channels,
+    validate_hls_directory,
+    validate_output_path,
+)
+from pipeline.request import MAX_TEXT_CHARS, RenderRequest
 from pipeline.sinks import PARTIAL_SUFFIX
 from worker.cli.helpfmt import DefaultsShown
 
 if TYPE_CHECKING:
-    from pipeline.request import RenderRequest, RenderResult
+    from pipeline.request import RenderResult
 
-# The presets each family knows (pipeline/families/*/; importing those loads torch, so --help names
-# them here; tests/unit/test_render_cli.py checks this against the registries).
+# The presets each family knows, first its default (models/presets.py, pipeline/families/wan/presets.py;
+# tests/unit/test_render_cli.py checks this against the registries), so --help can name them.
 PRESET_NAMES = {
     "tiny": ("tiny", "1.3b", "14b"),
-    "wan": ("infinitetalk", "infinitetalk-720p", "flashtalk", "1.3b", "1.3b-720p", "14b", "14b-720p", "tiny"),
+    "wan": ("infinitetalk", "infinitetalk-720p", "flashtalk", "14b", "14b-720p", "1.3b", "1.3b-720p", "tiny",
+            "tiny-128"),
 }
 
 
@@ -113,10 +119,30 @@ def launch_time() -> float:
 _IMPORTED_AT = time.time()
 
 
-def check_inputs(args: argparse.Namespace) -> tuple[Path, Path | None, int]:
+def _request(args: argparse.Namespace) -> RenderRequest:
+    """The request of the parsed arguments: the family's default preset when none is given;
+    ``--model NAME`` looked up in ``Settings.models`` (``--text`` is the wan family's prompt).
+    Torch-free (the family registry loads no models)."""
+    from pipeline.families import FAMILIES
+
+    family = FAMILIES.get(args.family)
+    preset = args.preset or family.default_preset
+    checkpoint = args.checkpoint
+    if args.model is not None:
+        if checkpoint is not None:
+            raise InvalidInputError("give --weights DIR or --model NAME, not both", field="model")
+        from worker.settings import Settings
+
+        checkpoint = Settings().model_weights(args.model)
+    return RenderRequest(image=args.image, audio=args.audio, text=args.text, seed=args.seed,
+                         family=family.name, preset=preset, checkpoint=checkpoint)
+
+
+def check_inputs(args: argparse.Namespace) -> tuple[Path, Path | None, int, RenderRequest]:
     """Everything that can be checked without torch, in the order a user fixes things: the outputs,
-    text and seed, then the image (header and pixels, as the render will read it) and the audio
-    (header and first samples). Returns (out, hls, audio channels); raises InvalidInputError."""
+    text and seed, the model choice, then the image (header and pixels, as the render will read it)
+    and the audio (header and first samples). Returns (out, hls, audio channels, request); raises
+    InvalidInputError."""
     out = validate_output_path(args.out, overwrite=args.force)
     hls = validate_hls_directory(args.hls, overwrite=args.force) if args.hls is not None else None
     if args.text is not None and len(args.text) > MAX_TEXT_CHARS:
@@ -125,9 +151,10 @@ def check_inputs(args: argparse.Namespace) -> tuple[Path, Path | None, int]:
             field="text")
     if args.seed < 0:
         raise InvalidInputError(f"seed={args.seed}: must be an integer >= 0", field="seed")
+    request = _request(args)
     load_reference_image(args.image, 64, 64)
-    channels = probe_audio(args.audio)
-    return out, hls, channels
+    channels = probe_audio_channels(args.audio)
+    return out, hls, channels, request
 
 
 def _install_stop_handlers() -> None:
@@ -144,26 +171,9 @@ def _install_stop_handlers() -> None:
     signal.signal(signal.SIGTERM, _stop)
 
 
-def _request(args: argparse.Namespace) -> RenderRequest:
-    """The request of the parsed arguments: the family's default preset when none is given;
-    ``--model NAME`` looked up in ``Settings.models`` (``--text`` is the wan family's prompt)."""
-    from pipeline.families import FAMILIES
-    from pipeline.request import RenderRequest
-
-    family = FAMILIES.get(args.family)
-    preset = args.preset or family.default_preset
-    checkpoint = args.checkpoint
-    if args.model is not None:
-        if checkpoint is not None:
-            raise InvalidInputError("give --weights DIR or --model NAME, not both", field="model")
-        from worker.settings import Settings
-
-        checkpoint = Settings().model_weights(args.model)
-    return RenderRequest(image=args.image, audio=args.audio, text=args.text, seed=args.seed,
-                         family=family.name, preset=preset, checkpoint=checkpoint)
-
-
-def _render(args: argparse.Namespace, out: Path, hls: Path | None) -> tuple[RenderResult, float]:
+def _render(
+    args: argparse.Namespace, request: RenderRequest, out: Path, hls: Path | None
+) -> tuple[RenderResult, float]:
     """Import torch and the pipeline (seconds), then render into OUT (and the HLS directory).
     Returns the result and the wall-clock time ``render()`` was called."""
     import torch
@@ -179,7 +189,6 @@ def _render(args: argparse.Namespace, out: Path, hls: Path | None) -> tuple[Rend
     sinks: list[FrameSink] = [FileSink(out)]
     if hls is not None:
         sinks.append(HLSDirectorySink(hls))
-    request = _request(args)
     bar: tqdm | None = None
 
     def progress(p: RenderProgress) -> None:
@@ -222,12 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     _install_stop_handlers()
     partial = Path(str(args.out) + PARTIAL_SUFFIX)
     try:
-        out, hls, channels = check_inputs(args)
+        out, hls, channels, request = check_inputs(args)
         partial = out.with_name(out.name + PARTIAL_SUFFIX)
         if channels > 1:
             print(f"note: {args.audio} has {channels} channels; the video's audio is their mono mix",
                   file=sys.stderr)
-        result, render_started_at = _render(args, out, hls)
+        result, render_started_at = _render(args, request, out, hls)
     except RenderError as exc:
         where = f" [{exc.field}]" if exc.field else ""
         print(f"longtake render: error{where}: {exc}", file=sys.stderr)
@@ -238,8 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         return _stopped(signal.SIGINT, partial)
     if result.random_init:
         print("note: the model runs on seeded RANDOM weights (no trained checkpoint for preset "
-              f"{args.preset or 'default'!r} of family {args.family!r}); the video shows noise-like motion, "
-              "not a trained avatar.", file=sys.stderr)
+              f"{request.preset!r}); the video shows noise-like motion, not a trained avatar.", file=sys.stderr)
     print(summary(out, result, launched_at=launched_at, render_started_at=render_started_at))
     return 0
 

@@ -13,9 +13,10 @@ logging is configured on ``setup_logging``; on ``worker_ready`` the metrics endp
 (``Settings.metrics_port``) starts — before the first job, so an idle worker is scraped too — and
 the reaper (``Settings.reaper_enabled``) runs as a daemon thread in the worker's main process until
 ``worker_shutdown``; ``worker_shutting_down`` (SIGTERM, SIGINT, SIGQUIT) asks the running job to
-drain (:meth:`JobWorker.request_drain`). With ``--pool=prefork`` the metrics are served by the
-pool child (``worker_process_init``), which renders; the drain works with ``--pool=solo`` only (the
-recommended pool: the pool child does not see the parent's signal and finishes its job).
+drain (:meth:`JobWorker.request_drain`). With ``--pool=solo`` (the recommended pool) both work in
+the worker process, which renders; with ``--pool=prefork`` the metrics endpoint starts in the pool
+child instead (``worker_process_init``: it renders, so it holds the render metrics), and the drain
+does not reach it.
 The queue configuration and why each setting is there: :mod:`worker.jobs.queue`.
 """
 
@@ -78,32 +79,28 @@ def _connect_worker_signals(celery: Celery, settings: Settings) -> None:
     def stop_reaper(**_: Any) -> None:
         stop.set()
 
-    renders_here: list[bool] = []  # set on worker_init: does the main process run the tasks (solo)?
-
-    def note_pool(sender: Any = None, **_: Any) -> None:
-        pool = getattr(sender, "pool_cls", None)
-        renders_here.append("solo" in str(getattr(pool, "__module__", pool)))
-
-    def start_metrics(sender: Any = None, **_: Any) -> None:
-        # served by the process that renders (its counters): the main process with --pool=solo,
-        # the pool child (worker_process_init, before its first task) with --pool=prefork
+    def serve_metrics() -> None:
         if settings.metrics_port > 0:
             # an engine of its own (one connection) for the fleet-wide longtake_jobs gauge
             store = JobStore(make_engine(settings.database_url, pool_size=1), retry=DbRetry(1))
             start_metrics_server(settings.metrics_port, store.count_by_status)
 
-    def start_metrics_if_solo(sender: Any = None, **kw: Any) -> None:
-        if not renders_here or renders_here[-1]:
-            start_metrics(sender, **kw)
+    def start_metrics(sender: Any = None, **_: Any) -> None:
+        # the endpoint lives in the process that renders (and so records the render metrics): the
+        # worker itself with --pool=solo; the pool child (worker_process_init) with prefork
+        if "solo" in getattr(getattr(sender, "pool_cls", None), "__module__", ""):
+            serve_metrics()
+
+    def start_child_metrics(**_: Any) -> None:
+        serve_metrics()
 
     def drain(**_: Any) -> None:
         JobWorker.request_drain()
 
     # weak=False: the closures live as long as the process' app (the signals are process-wide)
     signals.setup_logging.connect(setup_logging, weak=False, dispatch_uid=f"{uid}-logging")
-    signals.worker_init.connect(note_pool, weak=False, dispatch_uid=f"{uid}-pool")
-    signals.worker_ready.connect(start_metrics_if_solo, weak=False, dispatch_uid=f"{uid}-metrics")
-    signals.worker_process_init.connect(start_metrics, weak=False, dispatch_uid=f"{uid}-metrics-child")
+    signals.worker_ready.connect(start_metrics, weak=False, dispatch_uid=f"{uid}-metrics")
+    signals.worker_process_init.connect(start_child_metrics, weak=False, dispatch_uid=f"{uid}-child-metrics")
     signals.worker_ready.connect(start_reaper, weak=False, dispatch_uid=f"{uid}-reaper")
     signals.worker_shutting_down.connect(drain, weak=False, dispatch_uid=f"{uid}-drain")
     signals.worker_shutdown.connect(stop_reaper, weak=False, dispatch_uid=f"{uid}-stop")
