@@ -15,6 +15,8 @@ import fake_pipeline
 import pytest
 from jobs_harness import JobsEnv, pid_alive
 
+from worker.jobs.lease import LeaseKeeper
+
 pytestmark = pytest.mark.integration
 
 
@@ -68,3 +70,25 @@ def test_a_worker_stuck_in_a_sink_lets_its_lease_expire_and_another_worker_finis
     assert [s.index for s in jobs_env.store.segments(job)] == list(range(n))
     assert "heartbeats stop so the lease expires" in stuck.log_path.read_text()
     assert "resuming after committed segment 1" in helper.log_path.read_text()
+
+
+def test_the_ranks_start_is_not_a_stall_but_silence_after_it_is(jobs_env: JobsEnv) -> None:
+    """Cold ranks (spawning, loading the models) can take longer than the stall bound; the keeper
+    must keep the lease through the start (``alive(start_timeout_s)``) and still release it once
+    the started render stays silent (the bug: a slow first start lost the lease on attempt 1)."""
+    job = jobs_env.submit(seed=73, num_fragments=2, sleep_s=0.1, publish=False)
+    lease = jobs_env.store.claim(job, owner="keeper-test", lease_s=3)
+    assert lease is not None
+    keeper = LeaseKeeper(jobs_env.store, lease, heartbeat_s=0.1, cancel_poll_s=0.1, stall_s=0.3)
+    keeper.start()
+    try:
+        keeper.alive(2.0)  # what NodeExecutor.run says before engine.start()
+        time.sleep(1.0)
+        assert not keeper.stalled and keeper.stop_reason() is None, "the start was taken for a stall"
+        keeper.alive(0.0)  # the ranks are up
+        deadline = time.monotonic() + 5
+        while not keeper.stalled and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert keeper.stalled and keeper.stop_reason() == "lease_lost"
+    finally:
+        keeper.stop()

@@ -1,7 +1,8 @@
 """LeaseKeeper: the thread that keeps an attempt's lease alive and notices cancels and stalls.
 
-Who calls what: :meth:`worker.jobs.tasks.JobWorker.run` starts one per attempt around the render,
-feeds it :meth:`LeaseKeeper.alive` / :meth:`LeaseKeeper.report` from the render's fragments and
+Who calls what: :meth:`worker.jobs.tasks.JobWorker.run` starts one per attempt around the render;
+:meth:`worker.jobs.runner.NodeExecutor.run` calls :meth:`LeaseKeeper.alive` on every event from the
+ranks (and around the ranks' start), the task feeds :meth:`LeaseKeeper.report` from the render's
 progress, and the runner polls :meth:`LeaseKeeper.stop_reason` between chunks.
 """
 
@@ -29,8 +30,9 @@ class LeaseKeeper(threading.Thread):
     and the render stops between chunks; the task then hands the job back (``JobStore.release``).
 
     Heartbeats prove that this process is alive, not that the render moves: when nothing has been
-    heard from the render for ``stall_s`` (``alive`` is called on every fragment and progress
-    record), the keeper stops heartbeating and lets the lease expire, so the reaper hands the job to
+    heard from the render for ``stall_s`` (``alive`` is called on every event from the ranks; while
+    the ranks start, with a grace of the start's own bound), the keeper stops heartbeating and lets
+    the lease expire, so the reaper hands the job to
     another worker and this one's late commits are fenced. The render thread normally acts first
     (``NodeExecutor.run`` kills stalled ranks after ``progress_timeout_s``); this covers a render
     thread that is itself stuck, e.g. in a sink call that never returns.
@@ -58,12 +60,16 @@ class LeaseKeeper(threading.Thread):
         self.stalled = False
         self.cancel = False
         self.last_alive = time.monotonic()
+        self._silent_until = self.last_alive + stall_s
         self._halt = threading.Event()
         self._wake = threading.Event()
 
-    def alive(self) -> None:
-        """The render produced something (a fragment, a progress record): it is not stalled."""
+    def alive(self, grace_s: float = 0.0) -> None:
+        """The render sent something: it is not stalled. ``grace_s``: it may legitimately stay
+        silent that much longer than ``stall_s`` from now (the ranks are starting, which
+        ``start_timeout_s`` bounds on its own: loading the models is not a stall)."""
         self.last_alive = time.monotonic()
+        self._silent_until = self.last_alive + grace_s + self.stall_s
 
     def report(self, progress: Progress) -> None:
         """Called per chunk: record it now rather than at the next heartbeat."""
@@ -93,7 +99,7 @@ class LeaseKeeper(threading.Thread):
                 if self._halt.is_set():
                     return
                 now = time.monotonic()
-                if now - self.last_alive > self.stall_s:
+                if now > self._silent_until:
                     log.error(
                         "no fragment or progress from the render for %.0f s (stall bound %.0f s): "
                         "heartbeats stop so the lease expires and the reaper hands the job to another "

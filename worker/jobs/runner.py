@@ -189,6 +189,7 @@ class NodeExecutor:
         stop_reason: Callable[[], str | None],
         on_progress: Callable[[RenderProgress], None] | None = None,
         on_fragment: Callable[[Fragment], None] | None = None,
+        on_alive: Callable[[float], None] | None = None,
         cancel_grace_s: float = 10.0,
         progress_timeout_s: float = 900.0,
         timeout_s: float | None = None,
@@ -198,8 +199,12 @@ class NodeExecutor:
 
         Every event from the ranks counts as a sign of life; ``progress_timeout_s`` without one
         (a rank deadlocked, a collective that never returns) kills the ranks and ends the attempt
-        as retryable ``render_stalled``.
+        as retryable ``render_stalled``. ``on_alive(grace_s)`` hears every such sign of life, and
+        before the ranks (re)start ``on_alive(start_timeout_s)``: their start is bounded by that,
+        not by ``progress_timeout_s`` (the worker's lease keeper uses it to tell a stuck render
+        thread from a busy one).
         """
+        alive = on_alive or (lambda grace_s: None)
         relay = SinkRelay(sinks, on_progress=on_progress, on_fragment=on_fragment)
         stop: list[str] = []
         stop_at: list[float] = []
@@ -207,6 +212,7 @@ class NodeExecutor:
 
         def on_event(event: object) -> None:
             last_event[0] = time.monotonic()
+            alive(0.0)
             relay.on_event(event)
 
         def should_cancel() -> bool:
@@ -235,8 +241,10 @@ class NodeExecutor:
         outcome: RenderOutcome
         try:
             with _children_allowed():
+                alive(self.start_timeout_s)
                 engine.start()  # (re)spawning ranks is not the render's silence: start_timeout_s bounds it
                 last_event[0] = time.monotonic()
+                alive(0.0)
                 result = engine.run(
                     render_attempt,
                     job,

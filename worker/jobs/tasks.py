@@ -269,7 +269,6 @@ class JobWorker:
         last_chunk_at = [claimed_at]
 
         def on_fragment(frag: Fragment) -> None:
-            keeper.alive()
             now = time.monotonic()
             set_chunk(frag.index)
             if not first_fragment_at:
@@ -311,6 +310,7 @@ class JobWorker:
                 stop_reason=keeper.stop_reason,
                 on_progress=on_progress,
                 on_fragment=on_fragment,
+                on_alive=keeper.alive,
                 cancel_grace_s=s.cancel_grace_s,
                 progress_timeout_s=s.progress_timeout_s,
                 timeout_s=s.max_job_s,
