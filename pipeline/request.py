@@ -31,7 +31,10 @@ class RenderRequest:
     family: str = "tiny"  # a name registered in pipeline.families.FAMILIES
     preset: str = "tiny"  # one of the family's presets
     checkpoint: Path | None = None
-    use_i_chunks: bool = True  # False renders the N-only baseline (for seam measurements)
+    use_i_chunks: bool = True  # False: N chunks only (the low-latency live mode; the seam baseline)
+    # True: ``audio`` is a live directory (pipeline.live) that grows while the render runs; the
+    # render follows it until its end.json and never knows the length up front
+    live: bool = False
     # family options (sampling steps, guidance, ...), checked by the family's ModelFamily.options()
     options: Mapping[str, str | int | float] = field(default_factory=dict)
 
@@ -39,10 +42,12 @@ class RenderRequest:
 @dataclass(frozen=True)
 class RenderProgress:
     emission_index: int
-    num_emissions: int
+    num_emissions: int  # live: the emissions so far (the total is unknown until the feed ends)
     frames_done: int
-    num_frames: int
+    num_frames: int  # live: the frames so far
     elapsed_s: float
+    # live: seconds from the arrival of the last audio frame this emission needs to its publication
+    audio_delay_s: float | None = None
 
 
 @dataclass(frozen=True)
