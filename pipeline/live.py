@@ -170,3 +170,60 @@ class LiveAudioWriter:
                 _write_atomic(self.directory / END, {"reason": reason, "frames": self.frames,
                                                      "silence_frames": self.silence_frames})
             return self.ended
+
+
+class LiveClock:
+    """The live clock of a session, over its :class:`LiveAudioWriter` (one per feed; thread-safe).
+
+    The clock starts with the first audio (``feed``); from then on the timeline must keep up with
+    the wall clock so viewers never see a stall: :meth:`tick` (called every few tens of
+    milliseconds by the feeder, and by :meth:`feed` before each append) inserts silence whenever
+    the timeline is more than ``max_lag_s`` behind the time elapsed since the start (the sender is
+    late; the avatar listens), and late audio is then appended after that silence. Audio faster
+    than real time is accepted up to ``max_ahead_s`` ahead of the clock: :meth:`ahead_s` tells the
+    receiver when to stop reading from the sender (back-pressure) and :meth:`feed` refuses more.
+    """
+
+    def __init__(self, writer: LiveAudioWriter, *, max_lag_s: float, max_ahead_s: float) -> None:
+        if max_lag_s <= 0 or max_ahead_s <= 0:
+            raise ValueError(f"max_lag_s={max_lag_s}, max_ahead_s={max_ahead_s}: both must be > 0")
+        self.writer = writer
+        self.max_lag_s = max_lag_s
+        self.max_ahead_s = max_ahead_s
+        self.started_at: float | None = None  # time.monotonic() of the first audio
+        self._lock = threading.Lock()
+
+    def elapsed_s(self, now: float | None = None) -> float:
+        if self.started_at is None:
+            return 0.0
+        return (time.monotonic() if now is None else now) - self.started_at
+
+    def ahead_s(self, now: float | None = None) -> float:
+        """How far the timeline runs ahead of the clock (negative: behind)."""
+        return self.writer.duration_s - self.elapsed_s(now)
+
+    def tick(self, now: float | None = None) -> int:
+        """Insert the silence the clock owes; returns the frames inserted."""
+        with self._lock:
+            if self.started_at is None or self.writer.ended is not None:
+                return 0
+            now = time.monotonic() if now is None else now
+            rate = self.writer.meta.sample_rate
+            owed = int((self.elapsed_s(now) - self.max_lag_s) * rate) - self.writer.frames
+            return self.writer.write_silence(owed) if owed > 0 else 0
+
+    def feed(self, pcm: bytes, now: float | None = None) -> int:
+        """Append the sender's audio (after any silence owed); returns the frames appended.
+        Raises :class:`LiveFormatError` when it would run more than ``max_ahead_s`` ahead."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if self.started_at is None:
+                self.started_at = now
+        self.tick(now)
+        frames = len(pcm) // self.writer.meta.frame_bytes
+        over = self.ahead_s(now) + frames / self.writer.meta.sample_rate - self.max_ahead_s
+        if over > 0 and self.writer.frames > 0:
+            raise LiveFormatError(
+                f"audio arrives {over:.1f} s beyond the session's buffer of max_ahead_s={self.max_ahead_s:g} s "
+                "ahead of real time; wait before sending more (the receiver stops reading when it is full)")
+        return self.writer.write(pcm)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.live import END_REASONS, LiveAudioWriter, LiveEnd, LiveFormatError, LiveMeta
+from pipeline.live import END_REASONS, LiveAudioWriter, LiveClock, LiveEnd, LiveFormatError, LiveMeta
 
 
 def test_appends_whole_frames_indexes_each_append_and_ends_once(tmp_path: Path) -> None:
@@ -48,3 +48,18 @@ def test_a_directory_holds_one_feed_and_close_takes_known_reasons(tmp_path: Path
     with pytest.raises(ValueError, match="reason"):
         w.close("because")
     assert "disconnected" in END_REASONS
+
+
+def test_the_live_clock_inserts_silence_when_the_sender_is_late_and_bounds_the_lead(tmp_path: Path) -> None:
+    w = LiveAudioWriter(tmp_path, LiveMeta(8000, 1))
+    clock = LiveClock(w, max_lag_s=0.5, max_ahead_s=2.0)
+    assert clock.tick(now=5.0) == 0, "no clock before the first audio"
+    clock.feed(b"\x00\x00" * 8000, now=10.0)  # 1 s of audio at t=0
+    assert clock.tick(now=11.2) == 0, "behind by 0.2 s only: within max_lag_s"
+    assert clock.tick(now=12.0) == 4000 and w.frames == 12000, "behind by 1 s: silence up to lag 0.5 s"
+    clock.feed(b"\x00\x00" * 8000, now=12.0)  # late audio lands after the silence
+    assert w.frames == 20000 and w.silence_frames == 4000
+    clock.feed(b"\x00\x00" * 8000, now=12.1)  # 3.5 s of timeline at 2.1 s: 1.4 s ahead
+    with pytest.raises(LiveFormatError, match="max_ahead_s"):
+        clock.feed(b"\x00\x00" * 8000, now=12.1)
+    assert w.frames == 28000
