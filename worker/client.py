@@ -63,6 +63,11 @@ class ProgressView(_Wire):
     num_frames: int | None = None
     seconds_done: float = Field(default=0.0, description="seconds of output video committed so far")
     elapsed_s: float = Field(default=0.0, description="wall seconds the current attempt has been rendering")
+    moved_at: datetime | None = Field(
+        default=None,
+        description="when the job last moved (its current attempt started, a chunk was committed or "
+        "more frames were rendered); a running job whose moved_at is old is stuck, though it heartbeats",
+    )
 
 
 class JobView(_Wire):

@@ -312,6 +312,7 @@ def test_up_then_submit_wait_fetch_on_embedded_defaults(
         assert cli.main(["status", "--json", *conn]) == 0
         listed = json.loads(capsys.readouterr().out)
         assert [j["id"] for j in listed["jobs"]] == [job_id]
+        assert listed["jobs"][0]["progress"]["moved_at"] is not None  # issue 18 item 8, through the API
     finally:
         if worker is not None:
             worker.send_signal(signal.SIGTERM)
@@ -600,3 +601,20 @@ def test_first_hour_as_printed_up_export_submit_wait_preview_fetch(tmp_path: Pat
     finally:
         rc = stop(proc)
     assert rc == 0, (tmp_path / "up.log").read_text()[-3000:]
+
+
+def test_status_shows_when_a_running_job_last_moved(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 18 item 8: a stuck job heartbeats and looks 'running'; its age of progress tells."""
+    from datetime import UTC, datetime, timedelta
+
+    from worker.client import JobView, ProgressView
+
+    moved = datetime.now(UTC) - timedelta(seconds=125)
+    running = JobView(id="j1", tenant="t", status="running", progress=ProgressView(chunks_done=3, moved_at=moved))
+    cli._print_job(running, as_json=False)
+    assert "last moved 2m05s ago" in capsys.readouterr().out
+    done = running.model_copy(update={"status": "succeeded"})
+    cli._print_job(done, as_json=False)
+    assert "last moved" not in capsys.readouterr().out
+    assert cli._ago(moved - timedelta(hours=2), now=moved) == "2h00m"
+    assert cli._ago(moved, now=moved - timedelta(seconds=5)) == "0s"

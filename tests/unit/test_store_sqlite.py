@@ -155,3 +155,33 @@ def test_retryable_error_with_cancel_pending_cancels(store: JobStore) -> None:
     assert not store.requeue(lease, code="sink_error", message="upload failed")
     rec = store.get(job.id)
     assert rec is not None and rec.status == "cancelled" and rec.outputs_partial
+
+
+def test_progress_at_moves_with_the_render_not_with_heartbeats(store: JobStore) -> None:
+    """Issue 18 item 8: a stuck job heartbeats (updated_at moves) but its progress_at does not."""
+    import time
+
+    job = store.create(SPEC, tenant="t1")
+    assert store.get(job.id).progress_at is None  # type: ignore[union-attr]
+    lease = store.claim(job.id, owner="w1", lease_s=30)
+    assert lease is not None
+
+    def moved() -> datetime:
+        rec = store.get(job.id)
+        assert rec is not None and rec.progress_at is not None
+        return rec.progress_at
+
+    claimed = moved()
+    time.sleep(0.01)
+    assert store.heartbeat(lease) and moved() == claimed, "a bare heartbeat is not progress"
+    assert store.heartbeat(lease, progress=Progress(chunks_done=0, frames_done=5))
+    rendered = moved()
+    assert rendered > claimed
+    time.sleep(0.01)
+    assert store.heartbeat(lease, progress=Progress(chunks_done=0, frames_done=5))
+    assert moved() == rendered, "the same frame count again is not progress"
+    time.sleep(0.01)
+    store.commit_segment(lease, _seg(0))
+    assert moved() > rendered
+    rec = store.get(job.id)
+    assert rec is not None and rec.updated_at >= rec.progress_at  # type: ignore[operator]

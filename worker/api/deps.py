@@ -104,6 +104,7 @@ def job_view(rec: JobRecord) -> JobView:
             num_frames=rec.num_frames,
             seconds_done=rec.seconds_done,
             elapsed_s=elapsed,
+            moved_at=rec.progress_at,
         ),
         cancel_requested=rec.cancel_requested,
         error_code=rec.error_code,

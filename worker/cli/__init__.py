@@ -34,6 +34,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
@@ -296,11 +297,24 @@ def _print_job(job: JobView, *, as_json: bool) -> None:
     p = job.progress
     total = f"/{p.num_chunks}" if p.num_chunks is not None else ""
     line = f"{job.id}  {job.status:<9}  chunks {p.chunks_done}{total}  {p.seconds_done:.1f}s of video"
+    if job.status == "running" and p.moved_at is not None:
+        # heartbeats keep a stuck job "running"; this is what tells it apart
+        line += f"  last moved {_ago(p.moved_at)} ago"
     if job.error_code:
         line += f"  error {job.error_code}: {job.error_message}"
     if job.cancel_requested and not job.is_terminal:
         line += "  (cancel requested)"
     print(line)
+
+
+def _ago(when: datetime, now: datetime | None = None) -> str:
+    """``when`` as an age: ``42s``, ``3m05s``, ``2h07m``."""
+    s = max(0, int(((now or datetime.now(UTC)) - when).total_seconds()))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def _is_uri(value: str) -> bool:

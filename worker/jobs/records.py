@@ -63,6 +63,7 @@ class JobRecord(BaseModel):
     frames_done: int
     num_frames: int | None
     seconds_done: float
+    progress_at: datetime | None
     created_at: datetime
     queued_at: datetime
     started_at: datetime | None
@@ -103,6 +104,7 @@ def record_of(row: JobRow) -> JobRecord:
         frames_done=row.progress_frames,
         num_frames=row.num_frames,
         seconds_done=row.progress_s,
+        progress_at=aware(row.progress_at),
         created_at=aware(row.created_at),
         queued_at=aware(row.queued_at),
         started_at=aware(row.started_at),

@@ -39,7 +39,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import and_, case, func, or_, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -251,6 +251,7 @@ class JobStore:
                             lease_expires_at=expires,
                             attempts=JobRow.attempts + 1,
                             started_at=func.coalesce(JobRow.started_at, now),
+                            progress_at=now,
                             updated_at=now,
                         )
                         .execution_options(synchronize_session=False)
@@ -285,6 +286,9 @@ class JobStore:
             if progress is not None:
                 # never backwards: a commit may already have recorded a later chunk
                 values["progress_frames"] = self._greatest(JobRow.progress_frames, progress.frames_done)
+                values["progress_at"] = case(
+                    (JobRow.progress_frames < progress.frames_done, now), else_=JobRow.progress_at
+                )
                 if progress.num_chunks is not None:
                     values["num_chunks"] = progress.num_chunks
                 if progress.num_frames is not None:
@@ -356,6 +360,7 @@ class JobStore:
                     .values(
                         progress_chunks=count,
                         progress_s=float(total_s),
+                        progress_at=now,
                         progress_frames=self._greatest(
                             JobRow.progress_frames, seg.first_frame + seg.num_frames
                         ),

@@ -82,6 +82,9 @@ class JobRow(Base):
     progress_frames: Mapped[int] = mapped_column(Integer, default=0)
     num_frames: Mapped[int | None] = mapped_column(Integer)
     progress_s: Mapped[float] = mapped_column(Float, default=0.0)
+    # when the job last moved: its current attempt started, a chunk was committed or more frames
+    # were rendered (heartbeats alone do not move it, unlike updated_at); NULL before the first claim
+    progress_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     queued_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
@@ -146,6 +149,7 @@ SELECT
     j.started_at AS started_at,
     j.finished_at AS finished_at,
     j.updated_at AS updated_at,
-    (SELECT count(*) FROM segments s WHERE s.job_id = j.id) AS segments_committed
+    (SELECT count(*) FROM segments s WHERE s.job_id = j.id) AS segments_committed,
+    j.progress_at AS progress_at
 FROM jobs j
 """
