@@ -340,29 +340,11 @@ def _open_audio(path: Path) -> av.container.InputContainer:
         raise _audio_error(path, f"is not a readable audio file ({_ffmpeg_reason(e)})", _AUDIO_FIX) from e
     if not container.streams.audio:
         kind = "is a video without an audio track" if container.streams.video else "has no audio stream"
+        if container.format.name.endswith("_pipe") or container.format.name == "image2":
+            kind = f"is an image ({container.format.name.removesuffix('_pipe')}), not audio"
         container.close()
         raise _audio_error(path, kind, _AUDIO_FIX)
     return container
-
-
-def probe_audio_channels(path: Path) -> int:
-    """Check the audio at ``path`` from its header and first decoded samples, without decoding the
-    rest: what ``longtake render`` runs before importing torch, so a bad file fails in a blink.
-    Returns the channel count (the render downmixes to mono; the CLI says so). Raises the
-    :class:`InvalidInputError` that :meth:`AudioSource.open` would. (The API's submit-time probe
-    with the duration cap is :func:`pipeline.probe.probe_audio`.)"""
-    path = Path(path)
-    _check_audio_path(path)
-    with _open_audio(path) as container:
-        stream = container.streams.audio[0]
-        try:
-            for frame in container.decode(stream):
-                if frame.samples:
-                    return int(stream.codec_context.channels or len(frame.layout.channels))
-        except av.FFmpegError as e:
-            raise _audio_error(path, f"is corrupt: decoding failed ({_ffmpeg_reason(e)})",
-                               "re-export the audio") from e
-    raise _audio_error(path, "contains no audio samples (zero length)", "use a non-empty recording")
 
 
 def _decode_into(path: Path, writers: dict[int, BinaryIO]) -> None:

@@ -8,24 +8,26 @@ the full loaders of :mod:`pipeline.inputs` (the same rules). Torch-free: PIL and
   the size and pixel-format rules are checked from the header before any pixel is decoded (a
   20000x20000 image costs a header read), then the pixels are decoded once, which is what finds a
   truncated file. Same function as the render, so the rules cannot drift apart.
-* :func:`probe_audio` (``pipeline.inputs.probe_audio``, the CLI's, checks no duration and says
-  nothing of an image sent as audio) opens the container, takes the duration from its header and decodes only the
-  first frames (a render decodes the whole file into memory maps: hours of audio, not for a submit).
-  A file whose header gives no duration is decoded up to the cap, never past it.
+* :func:`probe_audio` opens the container, takes the duration from its header and decodes only the
+  first second (a render decodes the whole file: hours of audio, not for a submit). A file whose
+  header gives no duration is decoded up to the cap, never past it. ``longtake render`` runs the
+  same probe before it imports torch, so a bad file fails in a blink with the render's words.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import av
 
 from pipeline.errors import InvalidInputError
 from pipeline.inputs import (
-    _AUDIO_FIX,
     MIN_IMAGE_SIDE,
     _audio_error,
+    _check_audio_path,
     _ffmpeg_reason,
+    _open_audio,
     image_size,
     load_reference_image,
 )
@@ -40,21 +42,21 @@ def probe_image(path: Path) -> tuple[int, int]:
     return image_size(path)
 
 
-def probe_audio(path: Path, *, max_duration_s: float | None = None) -> float:
-    """Duration in seconds of a usable driving audio file; raise ``InvalidInputError(field="audio")``
-    naming the problem and the fix (the CLI's messages), or the operator's cap when it is over it."""
+@dataclass(frozen=True)
+class AudioProbe:
+    duration_s: float
+    channels: int  # the render downmixes to mono (the CLI says so)
+
+
+def probe_audio(path: Path, *, max_duration_s: float | None = None) -> AudioProbe:
+    """Duration and channels of a usable driving audio file; raise ``InvalidInputError(field="audio")``
+    naming the problem and the fix (what :meth:`pipeline.inputs.AudioSource.open` would raise), or
+    the operator's cap when it is over it."""
     path = Path(path)
-    try:
-        container = av.open(str(path), mode="r")
-    except (av.FFmpegError, UnicodeDecodeError) as e:
-        raise _audio_error(path, f"is not a readable audio file ({_ffmpeg_reason(e)})", _AUDIO_FIX) from e
-    with container:
-        if not container.streams.audio:
-            kind = "is a video without an audio track" if container.streams.video else "has no audio stream"
-            if container.format.name.endswith("_pipe") or container.format.name == "image2":
-                kind = f"is an image ({container.format.name.removesuffix('_pipe')}), not audio"
-            raise _audio_error(path, kind, _AUDIO_FIX)
+    _check_audio_path(path)
+    with _open_audio(path) as container:
         stream = container.streams.audio[0]
+        channels = 0
         header_s: float | None = None
         if stream.duration is not None and stream.time_base is not None:
             header_s = float(stream.duration * stream.time_base)
@@ -66,6 +68,8 @@ def probe_audio(path: Path, *, max_duration_s: float | None = None) -> float:
         decoded = 0.0
         try:
             for frame in container.decode(stream):
+                if frame.samples and not channels:
+                    channels = int(stream.codec_context.channels or len(frame.layout.channels))
                 decoded += frame.samples / float(frame.sample_rate or 1)
                 if decoded >= decode_s:
                     break
@@ -76,7 +80,7 @@ def probe_audio(path: Path, *, max_duration_s: float | None = None) -> float:
     duration = header_s if header_s is not None else decoded
     if max_duration_s is not None and duration > max_duration_s:
         raise _too_long(path, duration, max_duration_s)
-    return duration
+    return AudioProbe(duration_s=duration, channels=channels)
 
 
 def _too_long(path: Path, seconds: float, limit: float) -> InvalidInputError:

@@ -21,10 +21,10 @@ from pipeline.inputs import (
     MIN_IMAGE_SIDE,
     AudioSource,
     load_reference_image,
-    probe_audio_channels,
     validate_hls_directory,
     validate_output_path,
 )
+from pipeline.probe import AudioProbe, probe_audio
 
 # ------------------------------------------------------------------------------------------- image
 
@@ -371,11 +371,11 @@ def test_probe_audio_is_fast_and_its_errors_read_well(tmp_path: Path) -> None:
         w.setsampwidth(2)
         w.setframerate(16000)
         w.writeframes(b"\x01\x00" * 2 * 1600)
-    assert probe_audio_channels(wav) == 2
+    assert probe_audio(wav) == AudioProbe(duration_s=0.1, channels=2)
     bad = tmp_path / "bad.wav"
     bad.write_bytes(b"RIFF\x24\x00\x00\x00WAVEfmt " + b"\xff" * 40)
     with pytest.raises(InvalidInputError) as e:
-        probe_audio_channels(bad)
+        probe_audio(bad)
     assert e.value.field == "audio" and str(bad) in e.value.message and "Errno" not in e.value.message
     with pytest.raises(InvalidInputError, match="zero length"):
         empty = tmp_path / "empty.wav"
@@ -383,4 +383,4 @@ def test_probe_audio_is_fast_and_its_errors_read_well(tmp_path: Path) -> None:
             w.setnchannels(1)
             w.setsampwidth(2)
             w.setframerate(16000)
-        probe_audio_channels(empty)
+        probe_audio(empty)

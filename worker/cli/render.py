@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING
 from pipeline.errors import InvalidInputError, RenderError
 from pipeline.inputs import (
     load_reference_image,
-    probe_audio_channels,
     validate_hls_directory,
     validate_output_path,
 )
+from pipeline.probe import probe_audio
 from pipeline.request import MAX_TEXT_CHARS, RenderRequest
 from pipeline.sinks import PARTIAL_SUFFIX
 from worker.cli.helpfmt import DefaultsShown
@@ -153,7 +153,7 @@ def check_inputs(args: argparse.Namespace) -> tuple[Path, Path | None, int, Rend
         raise InvalidInputError(f"seed={args.seed}: must be an integer >= 0", field="seed")
     request = _request(args)
     load_reference_image(args.image, 64, 64)
-    channels = probe_audio_channels(args.audio)
+    channels = probe_audio(args.audio).channels
     return out, hls, channels, request
 
 
