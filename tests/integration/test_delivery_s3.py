@@ -14,10 +14,11 @@ from pipeline.errors import SinkError
 from pipeline.media_types import Fragment
 from tests.integration.delivery_media import Sample, decode_frames, ffprobe_duration, make_sample
 from tests.integration.s3_fixtures import MotoServer, moto_s3, s3_store  # noqa: F401
-from worker.delivery.keys import job_prefix
+from worker.api.preview import playlist_with_urls
+from worker.delivery.keys import job_prefix, safe_key
 from worker.delivery.local_store import LocalObjectStore
 from worker.delivery.object_store import ObjectStore
-from worker.delivery.s3_sink import MultipartState, S3ProgressiveSink, presigned_playlist
+from worker.delivery.s3_sink import MultipartState, S3ProgressiveSink
 from worker.delivery.s3_store import S3ObjectStore
 from worker.delivery.segment import SegmentRecord
 from worker.errors import StorageError
@@ -106,8 +107,12 @@ def test_small_render_preview_on(s3_store: S3ObjectStore, tmp_path: Path) -> Non
     assert sink.counters.media_bytes <= 2.02 * len(sample.mp4)
     assert not s3_store.exists(sink.state_object_key)
 
-    # a player without credentials follows the presigned playlist over plain HTTP
-    signed = presigned_playlist(s3_store, PREFIX, expires_s=600)
+    # a player without credentials follows the presigned playlist over plain HTTP (the rewrite
+    # the API's preview route serves when segments go straight to the store)
+    signed = playlist_with_urls(
+        s3_store.get_bytes(sink.playlist_key).decode(),
+        lambda name: s3_store.presign_get(safe_key(PREFIX, name), 600),
+    )
     urls = [ln for ln in signed.splitlines() if ln.startswith("http")]
     init_url = signed.split('#EXT-X-MAP:URI="', 1)[1].split('"', 1)[0]
     assert len(urls) == len(sample.fragments)

@@ -137,22 +137,6 @@ class DeliveryCounters:
         return self.init_bytes + self.segment_bytes + self.playlist_bytes + self.part_bytes + self.final_put_bytes
 
 
-def presigned_playlist(store: ObjectStore, prefix: str, *, expires_s: int = 3600) -> str:
-    """The job's current HLS playlist with the init and segment URIs replaced by presigned GET URLs,
-    for players that cannot sign requests (the API serves it; ``longtake preview`` points at it).
-    Raises :class:`worker.delivery.storage.ObjectNotFoundError` before the first segment has landed."""
-    text = store.get_bytes(safe_key(prefix, PLAYLIST_NAME)).decode()
-    out = []
-    for line in text.splitlines():
-        if line.startswith("#EXT-X-MAP:URI="):
-            name = line[len('#EXT-X-MAP:URI="'):-1]
-            line = f'#EXT-X-MAP:URI="{store.presign_get(safe_key(prefix, name), expires_s)}"'
-        elif line and not line.startswith("#"):
-            line = store.presign_get(safe_key(prefix, line), expires_s)
-        out.append(line)
-    return "\n".join(out) + "\n"
-
-
 @dataclass
 class _Item:
     """A fragment waiting for the upload thread; its bytes in RAM or spooled to a temp file."""
