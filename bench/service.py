@@ -234,8 +234,18 @@ def run(
             for q in range(4):
                 rss = [m for _, f, m in samples if q / 4 <= f < (q + 1) / 4 and m > 0]
                 quarters.append(round(max(rss) / 2**20, 1) if rss else None)
+            # least-squares slope of the RSS after the first tenth of the job (the warm-up)
+            late = [(t, m) for t, f, m in samples if f >= 0.1 and m > 0]
+            slope = None
+            if len(late) >= 3:
+                mt = sum(t for t, _ in late) / len(late)
+                mm = sum(m for _, m in late) / len(late)
+                var = sum((t - mt) ** 2 for t, _ in late)
+                slope = sum((t - mt) * (m - mm) for t, m in late) / var if var else None
             report["memory"] = {
                 "samples": len(samples),
+                "rss_mb_per_minute": [round(m / 2**20, 1) for t, _, m in samples if int(t) % 60 < 10],
+                "slope_mb_per_10_min": round(slope * 600 / 2**20, 3) if slope is not None else None,
                 "peak_rss_mb_by_quarter": quarters,
                 # the first quarter holds the warm-up (models loaded, encoder primed): compare after it
                 "last_over_second_quarter": round(quarters[3] / quarters[1], 4)
