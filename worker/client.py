@@ -63,6 +63,11 @@ class ProgressView(_Wire):
     num_frames: int | None = None
     seconds_done: float = Field(default=0.0, description="seconds of output video committed so far")
     elapsed_s: float = Field(default=0.0, description="wall seconds the current attempt has been rendering")
+    chunk_delay_s: float | None = Field(
+        default=None,
+        description="live session: seconds from the arrival of the audio the last published chunk needed "
+        "to its publication",
+    )
 
 
 class JobView(_Wire):
@@ -81,6 +86,11 @@ class JobView(_Wire):
     started_at: datetime | None = None
     finished_at: datetime | None = None
     spec: dict[str, object] = Field(default_factory=dict, description="the submitted job spec")
+    session: dict[str, object] | None = Field(
+        default=None,
+        description="live session: end_reason (null while it runs), audio_s, silence_s (inserted by the "
+        "live clock), duration_s, chunk_delay_s / chunk_delay_max_s / chunk_delay_mean_s; see docs/sessions.md",
+    )
 
     @property
     def is_terminal(self) -> bool:
