@@ -398,3 +398,27 @@ def test_longtake_live_streams_a_file_end_to_end(stack: Stack) -> None:
     assert job["status"] == "succeeded" and job["session"]["end_reason"] == "closed", job  # type: ignore[index]
     assert job["session"]["audio_s"] == 1.5 and job["spec"]["session"]["sample_rate"] == 22050, job  # type: ignore[index]
     assert "mp4" in out.stdout and "closed" in out.stdout, out.stdout
+
+
+def test_preview_page_plays_a_live_session_while_it_renders(stack: Stack) -> None:
+    """The page `GET .../preview` names, in headless Chromium, while the session is being fed: it
+    plays the segments published so far and keeps following the playlist ("live")."""
+    from test_delivery_preview_page import CHROMIUM, page_state
+
+    if CHROMIUM is None:
+        pytest.skip("needs a headless Chromium")
+    job_id, ws = open_session(stack)
+    fed = threading.Thread(target=feed, args=(ws, 12.0))
+    fed.start()
+    try:
+        time.sleep(2.0)
+        resp = httpx.get(f"{stack.url}/v1/jobs/{job_id}/preview", headers={"Authorization": f"Bearer {TOKEN_A}"})
+        page = resp.json()["page_url"]
+        state, detail = page_state(page, stack.tmp / f"chrome-{job_id[:8]}")
+        assert state == "live", detail
+        segments = int(detail.split("rendering: ")[1].split()[0])
+        assert segments >= 3 and stack.job(job_id)["status"] == "running", detail
+    finally:
+        fed.join()
+    end_session(ws)
+    assert stack.wait(job_id)["status"] == "succeeded"
