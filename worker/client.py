@@ -68,6 +68,11 @@ class ProgressView(_Wire):
         description="when the job last moved (its current attempt started, a chunk was committed or "
         "more frames were rendered); a running job whose moved_at is old is stuck, though it heartbeats",
     )
+    chunk_delay_s: float | None = Field(
+        default=None,
+        description="live session: seconds from the arrival of the audio the last published chunk needed "
+        "to its publication",
+    )
 
 
 class JobView(_Wire):
@@ -86,6 +91,11 @@ class JobView(_Wire):
     started_at: datetime | None = None
     finished_at: datetime | None = None
     spec: dict[str, object] = Field(default_factory=dict, description="the submitted job spec")
+    session: dict[str, object] | None = Field(
+        default=None,
+        description="live session: end_reason (null while it runs), audio_s, silence_s (inserted by the "
+        "live clock), duration_s, chunk_delay_s / chunk_delay_max_s / chunk_delay_mean_s; see docs/sessions.md",
+    )
 
     @property
     def is_terminal(self) -> bool:

@@ -277,6 +277,47 @@ class Settings(BaseSettings):
                     )
         return value
 
+    # --- live sessions (issue 13, docs/sessions.md) ----------------------------------------------
+    session_max_s: float = Field(
+        default=4 * 3600.0,
+        gt=0,
+        description="Longest live session, in seconds of its timeline: the session ends there "
+        "('max_duration', a final segment, the job succeeds). A session also ends at max_job_s of wall "
+        "time, whichever comes first",
+    )
+    session_idle_max_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="Longest idle timeout a session spec may ask for (session.idle_timeout_s)",
+    )
+    session_max_ahead_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=600,
+        description="Audio a sender may send ahead of real time: beyond it the API stops reading the "
+        "WebSocket (TCP back-pressure) until the live clock catches up",
+    )
+    session_max_lag_s: float = Field(
+        default=0.5,
+        gt=0,
+        le=60,
+        description="When the sender is late by more than this, the live clock renders silence (the "
+        "avatar listens) and places the late audio after it",
+    )
+    session_message_max_bytes: int = Field(
+        default=256 * 1024,
+        ge=1024,
+        le=16 * 1024 * 1024,
+        description="Largest WebSocket message a sender may send (a PCM message or a JSON control "
+        "message); over it the stream is refused with close code 1009",
+    )
+    session_ready_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="How long a session's WebSocket waits for a worker to pick the job up before it "
+        "gives up (close code 1013, the job is cancelled)",
+    )
+
     # --- preview page (worker/api/preview.py) -----------------------------------------------------
     preview_segments: Literal["auto", "api", "presigned"] = Field(
         default="auto",

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import unquote, urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from pipeline.errors import InvalidInputError
 from pipeline.families import DEFAULT_FAMILY, FAMILIES
@@ -44,15 +44,26 @@ FILE_ROOT_KEY = "file_root"
 """Validation-context key: the directory ``file://`` inputs must lie under (None: no file:// at all)."""
 MODELS_KEY = "models"
 """Validation-context key: the model names a spec may request (``Settings.models``)."""
+SESSION_IDLE_MAX_KEY = "session_idle_max_s"
+"""Validation-context key: the longest ``session.idle_timeout_s`` a spec may ask for
+(``Settings.session_idle_max_s``)."""
 
 
-def spec_context(file_root: Path | str | None, models: Iterable[str] | None = None) -> dict[str, object]:
+def spec_context(
+    file_root: Path | str | None,
+    models: Iterable[str] | None = None,
+    *,
+    session_idle_max_s: float | None = None,
+) -> dict[str, object]:
     """The context the API passes to ``JobSpec.model_validate`` so ``file://`` URIs are checked
-    against the operator's allowed root (``Settings.file_root``) and ``model`` against the
-    operator's model names (``Settings.models``; None: the name's form only)."""
+    against the operator's allowed root (``Settings.file_root``), ``model`` against the
+    operator's model names (``Settings.models``; None: the name's form only) and a session's idle
+    timeout against the operator's cap (``Settings.session_idle_max_s``; None: not checked)."""
     context: dict[str, object] = {FILE_ROOT_KEY: Path(file_root).resolve() if file_root is not None else None}
     if models is not None:
         context[MODELS_KEY] = sorted(models)
+    if session_idle_max_s is not None:
+        context[SESSION_IDLE_MAX_KEY] = session_idle_max_s
     return context
 
 
@@ -178,6 +189,70 @@ class OutputSpec(BaseModel):
     )
 
 
+SESSION_SAMPLE_RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
+SESSION_IDLE_DEFAULT_S = 10.0
+"""``session.idle_timeout_s`` when the spec gives none (the operator's cap may be lower)."""
+
+
+class SessionSpec(BaseModel):
+    """A live session (issue 13): no audio file; the client streams PCM over the WebSocket
+    ``/v1/jobs/{id}/audio`` (docs/sessions.md) and the video is rendered on a live clock."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    sample_rate: int = Field(description=f"Sample rate of the PCM the client sends, one of {SESSION_SAMPLE_RATES} Hz")
+    channels: int = Field(default=1, description="Interleaved channels of the PCM, 1 or 2")
+    format: str = Field(
+        default="s16le", description="Sample format of the PCM; only 's16le' (signed 16-bit little-endian)"
+    )
+    latency: Literal["default", "low"] = Field(
+        default="default",
+        description="'default': N and I chunks (about one chunk of look-ahead, smoothest seams); "
+        "'low': N chunks only (less delay, seams between chunks)",
+    )
+    idle_timeout_s: float = Field(
+        default=SESSION_IDLE_DEFAULT_S,
+        gt=0,
+        description="End the session (a final segment, not an error) after this long without audio; "
+        "at most the operator's cap (LONGTAKE_SESSION_IDLE_MAX_S)",
+    )
+
+    @field_validator("sample_rate")
+    @classmethod
+    def _sample_rate(cls, v: int) -> int:
+        if v not in SESSION_SAMPLE_RATES:
+            raise ValueError(f"session.sample_rate: {v!r} Hz is not accepted; use one of {list(SESSION_SAMPLE_RATES)}")
+        return v
+
+    @field_validator("channels")
+    @classmethod
+    def _channels(cls, v: int) -> int:
+        if v not in (1, 2):
+            raise ValueError(f"session.channels: {v!r}; send mono (1) or interleaved stereo (2)")
+        return v
+
+    @field_validator("format")
+    @classmethod
+    def _format(cls, v: str) -> str:
+        if v != "s16le":
+            raise ValueError(
+                f"session.format: {v!r} is not accepted; send 's16le' (signed 16-bit little-endian PCM, "
+                "e.g. `ffmpeg -f s16le`), converting float or 8-bit samples first"
+            )
+        return v
+
+    @field_validator("idle_timeout_s")
+    @classmethod
+    def _idle(cls, v: float, info: ValidationInfo) -> float:
+        cap = (info.context or {}).get(SESSION_IDLE_MAX_KEY) if isinstance(info.context, dict) else None
+        if cap is not None and v > cap:
+            raise ValueError(
+                f"session.idle_timeout_s: {v:g} s is over this service's cap of {cap:g} s "
+                "(LONGTAKE_SESSION_IDLE_MAX_S); ask for at most that"
+            )
+        return v
+
+
 class JobSpec(BaseModel):
     """One render request. Frozen; unknown fields are an error (``extra="forbid"``)."""
 
@@ -186,7 +261,16 @@ class JobSpec(BaseModel):
     image: str = Field(
         description="Reference image URI: s3://, file:// (under the allowed root) or upload://"
     )
-    audio: str = Field(description="Driving audio URI: s3://, file:// (under the allowed root) or upload://")
+    audio: str | None = Field(
+        default=None,
+        description="Driving audio URI: s3://, file:// (under the allowed root) or upload://; "
+        "none for a live session (give `session` instead)",
+    )
+    session: SessionSpec | None = Field(
+        default=None,
+        description="A live session: the audio is streamed over the WebSocket /v1/jobs/{id}/audio "
+        "instead of given as a file (exactly one of audio / session)",
+    )
     text: str | None = Field(
         default=None, description=f"Optional text/scene prompt, at most {MAX_TEXT_CHARS} characters"
     )
@@ -210,8 +294,22 @@ class JobSpec(BaseModel):
 
     @field_validator("image", "audio")
     @classmethod
-    def _input_uri(cls, v: str, info: ValidationInfo) -> str:
-        return _validate_input_uri(str(info.field_name), v, info)
+    def _input_uri(cls, v: str | None, info: ValidationInfo) -> str | None:
+        return None if v is None else _validate_input_uri(str(info.field_name), v, info)
+
+    @model_validator(mode="after")
+    def _audio_or_session(self) -> JobSpec:
+        if self.audio is None and self.session is None:
+            raise ValueError(
+                "audio: required; give the driving audio URI, or `session` "
+                '(e.g. {"sample_rate": 16000}) to stream it live over the WebSocket'
+            )
+        if self.audio is not None and self.session is not None:
+            raise ValueError(
+                "session: a live session takes its audio from the WebSocket, not from `audio`; "
+                "give one of the two"
+            )
+        return self
 
     @field_validator("text")
     @classmethod

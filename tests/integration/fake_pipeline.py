@@ -9,6 +9,15 @@ render counter).
 The "audio" input is a small JSON file describing the render: ``{"num_fragments": 6,
 "sleep_s": 0.2, "fail_at": null, "fail_code": null}``. The image input is only checked to exist.
 
+Live sessions (``request.live``): the "audio" is a live directory (:mod:`pipeline.live`), followed
+as the real render does: one fragment per :data:`LIVE_SPAN_S` of timeline (10 frames at 25 fps),
+emitted as soon as the audio it needs has arrived (default latency: its span plus one more span of
+look-ahead; ``use_i_chunks=False``: its span only), until ``end.json``; the last fragment covers the
+rest (short). ``RenderProgress.audio_delay_s`` = publication time minus the arrival (``t`` in
+``index.jsonl``) of the last audio frame the fragment needed. With ``$LONGTAKE_FAKE_LIVE_MEDIA=1``
+the fragments are real fMP4 (H.264 + AAC, :func:`delivery_media.make_sample`, one 10-frame GOP per
+fragment), so a browser can play the session (the preview page test).
+
 Also here: :func:`hanging_delivery`, the worker's real delivery with a sink that hangs once (the
 ``hanging`` app of ``celery_apps.py`` injects it into ``JobWorker``).
 """
@@ -152,6 +161,86 @@ def _count(seed: int, index: int) -> None:
             os.close(fd)
 
 
+LIVE_SPAN_S = FRAMES_PER_FRAGMENT / FPS
+
+
+def _render_live(
+    request: RenderRequest,
+    sinks: Sequence[FrameSink],
+    should_cancel: Callable[[], bool] | None,
+    on_progress: Callable[[RenderProgress], None] | None,
+) -> RenderResult:
+    t0 = time.monotonic()
+    live = Path(request.audio)
+    meta = json.loads((live / "meta.json").read_text())
+    rate = int(meta["sample_rate"])
+    span = int(rate * LIVE_SPAN_S)
+    look = span if request.use_i_chunks else 0
+    seed = request.seed
+    acc = _start_state(seed)
+    arrivals: list[tuple[int, float]] = []  # (timeline frames, arrival unix time) per index line
+    index_at = 0
+    i = 0
+    num_frames = 0
+    ttff = 0.0
+    media = None
+    if os.environ.get("LONGTAKE_FAKE_LIVE_MEDIA") == "1":
+        from delivery_media import make_sample
+
+        media = make_sample(20.0, gop=FRAMES_PER_FRAGMENT, size=64)
+    for s in sinks:
+        s.open(media.init if media is not None else init_segment(seed))
+    try:
+        while True:
+            if should_cancel is not None and should_cancel():
+                raise CancelledError(f"cancelled before fragment {i}")
+            end = json.loads((live / "end.json").read_text()) if (live / "end.json").exists() else None
+            with open(live / "index.jsonl", "rb") as f:  # end.json is written after the last line
+                f.seek(index_at)
+                chunk = f.read()
+            lines = chunk[: chunk.rfind(b"\n") + 1]
+            index_at += len(lines)
+            arrivals += [(int(e["end"]), float(e["t"])) for e in map(json.loads, lines.splitlines())]
+            have = arrivals[-1][0] if arrivals else 0
+            total = int(end["frames"]) if end is not None else None
+            if total is not None and i * span >= total:
+                break
+            upto = (i + 1) * span if total is None else min((i + 1) * span, total)
+            needed = upto + look if total is None else min(upto + look, total)
+            if have < needed:
+                time.sleep(0.02)
+                continue
+            frames = -(-(upto - i * span) * FPS // rate)  # video frames of this span, rounded up
+            block = hashlib.sha256(acc + i.to_bytes(8, "big")).digest()
+            data = (block * (FRAGMENT_BYTES // len(block) + 1))[:FRAGMENT_BYTES]
+            acc = hashlib.sha256(acc + data).digest()
+            if media is not None:
+                data = media.fragments[i % len(media.fragments)].data
+            frag = Fragment(index=i, data=data, first_frame=num_frames, num_frames=frames,
+                            start_s=num_frames / FPS, duration_s=frames / FPS,
+                            is_last=total is not None and upto >= total, resume_state=None)
+            _count(seed, i)
+            for s in sinks:
+                s.write(frag)
+            num_frames += frames
+            if not ttff:
+                ttff = time.monotonic() - t0
+            arrived = next(t for end_frames, t in arrivals if end_frames >= needed)
+            if on_progress is not None:
+                on_progress(RenderProgress(emission_index=i, num_emissions=i + 1, frames_done=num_frames,
+                                           num_frames=num_frames, elapsed_s=time.monotonic() - t0,
+                                           audio_delay_s=time.time() - arrived))
+            i += 1
+    except BaseException:
+        for s in sinks:
+            s.close(ok=False)
+        raise
+    for s in sinks:
+        s.close(ok=True)
+    return RenderResult(num_frames=num_frames, duration_s=num_frames / FPS, ttff_s=ttff,
+                        wall_s=time.monotonic() - t0, peak_rss_bytes=0, num_fragments=i)
+
+
 def render(
     request: RenderRequest,
     sinks: Sequence[FrameSink],
@@ -166,6 +255,8 @@ def render(
     t0 = time.monotonic()
     if not Path(request.image).is_file():
         raise InvalidInputError(f"image: {request.image} does not exist", field="image")
+    if request.live:
+        return _render_live(request, sinks, should_cancel, on_progress)
     plan = read_plan(Path(request.audio))
     n, sleep_s = int(plan["num_fragments"]), float(plan["sleep_s"])
     seed = request.seed

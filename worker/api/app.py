@@ -5,8 +5,10 @@ Who calls what: ``longtake api`` (and ``longtake up``) build the app once per pr
 one :class:`worker.api.deps.Deps`: one SQLAlchemy engine (through :class:`worker.jobs.store.JobStore`),
 one object store and one Celery app (used only to *send* messages). The routes are
 :mod:`worker.api.jobs` (submit, get, list, cancel, outputs; the submission order is described
-there), :mod:`worker.api.uploads`, :mod:`worker.api.preview` and :mod:`worker.api.health`; they are
-plain ``def`` so FastAPI runs the blocking store calls in its thread pool.
+there), :mod:`worker.api.sessions` (the audio WebSocket of a live session), :mod:`worker.api.uploads`,
+:mod:`worker.api.preview` and :mod:`worker.api.health`; they are plain ``def`` so FastAPI runs the
+blocking store calls in its thread pool (the WebSocket route is async and runs its blocking calls
+on a thread of its own).
 
 The response bodies are the wire models of :mod:`worker.client`, so the Python client and the
 server share one schema. Errors are ``{"error": code, "message": text, "errors": [...]}``; the
@@ -29,7 +31,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from worker.api import health, jobs, preview, uploads
+from worker.api import health, jobs, preview, sessions, uploads
 from worker.api.auth import PreviewSigner, TokenAuth
 from worker.api.deps import RETRY_AFTER_S, ApiError, ApiMetrics, Deps
 from worker.api.gate import BodyTooLargeError, RequestGate
@@ -87,7 +89,7 @@ def create_app(
     app.add_middleware(RequestGate, deps=deps)  # inside _count (added next): refusals are counted too
     _install_handlers(app, deps)
     _install_outage_handler(app)
-    for router in (jobs.router, uploads.router, preview.router, health.router):
+    for router in (jobs.router, sessions.router, uploads.router, preview.router, health.router):
         app.include_router(router)
     _publish_spec_schema(app)
     return app

@@ -105,6 +105,7 @@ def job_view(rec: JobRecord) -> JobView:
             seconds_done=rec.seconds_done,
             elapsed_s=elapsed,
             moved_at=rec.progress_at,
+            chunk_delay_s=_float_or_none((rec.session_state or {}).get("chunk_delay_s")),
         ),
         cancel_requested=rec.cancel_requested,
         error_code=rec.error_code,
@@ -114,7 +115,22 @@ def job_view(rec: JobRecord) -> JobView:
         started_at=rec.started_at,
         finished_at=rec.finished_at,
         spec=rec.spec.model_dump(mode="json"),
+        session=_session_view(rec),
     )
+
+
+def _session_view(rec: JobRecord) -> dict[str, object] | None:
+    if rec.session_state is None:
+        return None
+    view = dict(rec.session_state)
+    view.setdefault("end_reason", None)
+    if isinstance(view.get("error"), str):
+        view["error"] = public_message(str(view["error"]))
+    return view
+
+
+def _float_or_none(value: object) -> float | None:
+    return float(value) if isinstance(value, int | float) else None
 
 
 @dataclass

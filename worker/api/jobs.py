@@ -151,6 +151,8 @@ def _parse_spec(deps: Deps, data: object, tenant: str, *, probed: Sequence[str] 
     check_quota(deps, tenant, spec)
     for field in _UPLOAD_FIELDS:
         uri = getattr(spec, field)
+        if uri is None:  # a live session's audio comes over its WebSocket
+            continue
         upload_id = parse_upload_uri(uri)
         if upload_id is None:
             continue
@@ -170,7 +172,10 @@ def _parse_spec(deps: Deps, data: object, tenant: str, *, probed: Sequence[str] 
 
 def _validate(deps: Deps, data: dict[str, Any]) -> JobSpec:
     try:
-        return JobSpec.model_validate(data, context=spec_context(deps.settings.file_root, deps.settings.models))
+        context = spec_context(
+            deps.settings.file_root, deps.settings.models, session_idle_max_s=deps.settings.session_idle_max_s
+        )
+        return JobSpec.model_validate(data, context=context)
     except ValidationError as exc:
         errors = field_errors(exc, known_fields=list(JobSpec.model_fields))
         raise ApiError(422, "invalid_spec", "; ".join(e["message"] for e in errors), errors=errors) from exc
@@ -180,6 +185,8 @@ def _check_grants(deps: Deps, spec: JobSpec, tenant: str) -> None:
     """Every input must be the tenant's own upload or under a prefix granted to it (403)."""
     grants = InputGrants.from_settings(deps.settings)
     for field in _UPLOAD_FIELDS:
+        if getattr(spec, field) is None:
+            continue
         try:
             grants.check(tenant, field, getattr(spec, field))
         except InputRefusedError as exc:
@@ -203,7 +210,8 @@ def _create_and_enqueue(
     created = spec.idempotency_key is None or rec.created_at >= started
     if not created:
         existing = rec.spec.model_dump(mode="json")
-        ignore = [f for f in _UPLOAD_FIELDS if parse_upload_uri(getattr(spec, f)) is not None] if uploaded else []
+        ignore = [f for f in _UPLOAD_FIELDS
+                  if getattr(spec, f) is not None and parse_upload_uri(getattr(spec, f)) is not None] if uploaded else []
         for key in uploaded:  # the replay reuses the first submission's inputs
             deps.objects.delete(key)
         if not _same_request(existing, spec, ignore=ignore):

@@ -9,7 +9,8 @@ modules of their own when one of them grows.
 - ``render``  — render one video on this machine (delegates to ``worker.cli.render:main``; imported
   only in that branch, so rendering never imports Celery or SQLAlchemy);
 - ``submit | status | wait | fetch | cancel | preview`` — HTTP API client commands
-  (:class:`worker.client.LongtakeClient`); ``--api``/``--token`` or ``LONGTAKE_API_URL`` /
+  (:class:`worker.client.LongtakeClient`); ``live`` streams a file or stdin into a live session
+  (:mod:`worker.cli.live`; docs/sessions.md); ``--api``/``--token`` or ``LONGTAKE_API_URL`` /
   ``LONGTAKE_API_TOKEN`` read through :class:`worker.settings.Settings`;
 - ``worker`` — a Celery worker for this node (one task at a time, no prefetch);
 - ``api`` — the HTTP API under uvicorn; ``migrate`` — ``alembic upgrade head``;
@@ -169,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job_id")
     p.add_argument("--playlist", action="store_true", help="print the HLS playlist URL instead (VLC, ffplay)")
     _add_client_args(p)
+
+    from worker.cli.live import add_parser as add_live_parser
+
+    _add_client_args(add_live_parser(sub))
 
     p = sub.add_parser(
         "worker",
@@ -436,6 +441,16 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_live(args: argparse.Namespace) -> int:
+    from worker.cli.live import cmd_live as run_live
+
+    settings = _settings()
+    token = args.token or settings.api_token
+    if not token:
+        raise ValueError("no API token; pass --token TOKEN or set LONGTAKE_API_TOKEN")
+    return run_live(args, api=args.api or settings.client_api_url(), token=token)
+
+
 def cmd_preview(args: argparse.Namespace) -> int:
     with _client(args) as client:
         view = client.preview(args.job_id)
@@ -681,6 +696,7 @@ _COMMANDS = {
     "fetch": cmd_fetch,
     "cancel": cmd_cancel,
     "preview": cmd_preview,
+    "live": cmd_live,
     "worker": cmd_worker,
     "api": cmd_api,
     "migrate": cmd_migrate,

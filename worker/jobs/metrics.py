@@ -48,6 +48,12 @@ QUEUE_WAIT = Histogram(
     "From (re)queue to claim",
     buckets=(0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600),
 )
+LIVE_CHUNK_DELAY = Histogram(
+    "longtake_live_chunk_delay_seconds",
+    "Live sessions: per emission, from the arrival (at the API) of the last audio it needs to its "
+    "publication by the render",
+    buckets=(0.1, 0.25, 0.5, 1, 1.5, 2, 3, 5, 10, 30, 60),
+)
 BUSY = Gauge("longtake_worker_busy", "1 while this worker process runs a job")
 REAPED = Counter("longtake_leases_reaped", "Expired leases the reaper requeued")
 REPUBLISHED = Counter(

@@ -40,6 +40,8 @@ class Progress:
     num_chunks: int | None = None
     frames_done: int = 0
     num_frames: int | None = None
+    # a live session's report (worker.jobs.session.SessionFeeder.report): replaces jobs.session_state
+    session: dict[str, object] | None = None
 
 
 class JobRecord(BaseModel):
@@ -73,6 +75,10 @@ class JobRecord(BaseModel):
     error_message: str | None
     outputs: dict[str, str]
     outputs_partial: bool
+    # live sessions only (None otherwise): the worker's report (end_reason, audio_s, silence_s,
+    # chunk delays; see docs/sessions.md) and when the WebSocket sender connected
+    session_state: dict[str, object] | None = None
+    audio_opened_at: datetime | None = None
 
 
 @overload
@@ -114,4 +120,6 @@ def record_of(row: JobRow) -> JobRecord:
         error_message=row.error_message,
         outputs=dict(row.outputs or {}),
         outputs_partial=row.outputs_partial,
+        session_state=dict(row.session_state) if row.session_state is not None else None,
+        audio_opened_at=aware(row.audio_opened_at),
     )

@@ -112,11 +112,14 @@ class JobStore:
     # ------------------------------------------------------------------ submission and reads
     def create(self, spec: JobSpec, *, tenant: str, max_attempts: int | None = None) -> JobRecord:
         """Insert a queued job, or return the tenant's existing job with the same idempotency key
-        (whatever its spec). Safe to repeat: the id is chosen before the first try."""
+        (whatever its spec). Safe to repeat: the id is chosen before the first try. A live session
+        (``spec.session``) gets one attempt, whatever ``max_attempts`` says."""
         if not _TENANT_RE.match(tenant):
             raise ValueError(f"tenant: {tenant!r} is not a tenant id; use 1-64 of A-Z a-z 0-9 _ -")
         job_id = str(uuid.uuid4())
         attempts = max_attempts if max_attempts is not None else self.default_max_attempts
+        if spec.session is not None:
+            attempts = 1  # a live session is not resumable: its streamed audio went to one worker
 
         def op() -> JobRecord:
             with Session(self.engine) as s:
@@ -147,6 +150,9 @@ class JobStore:
                         published_at=now,
                         outputs={},
                         outputs_partial=False,
+                        # a session's report starts empty: the reaper and the API tell sessions by
+                        # it (jobs with an audio file leave it SQL NULL: None would store JSON null)
+                        **({"session_state": {}} if spec.session is not None else {}),
                     )
                 )
                 try:
@@ -293,6 +299,8 @@ class JobStore:
                     values["num_chunks"] = progress.num_chunks
                 if progress.num_frames is not None:
                     values["num_frames"] = progress.num_frames
+                if progress.session is not None:
+                    values["session_state"] = progress.session
             with self.engine.begin() as conn:
                 res = conn.execute(update(JobRow).where(_fenced(lease)).values(**values))
             if res.rowcount != 1:
@@ -424,28 +432,73 @@ class JobStore:
 
         self._retry(op, what=f"{what} job {lease.job_id}")
 
-    def finish(self, lease: Lease, *, outputs: dict[str, str]) -> None:
-        """Mark succeeded with the final output URIs (fenced)."""
+    def finish(
+        self, lease: Lease, *, outputs: dict[str, str], session: dict[str, object] | None = None
+    ) -> None:
+        """Mark succeeded with the final output URIs (fenced); ``session``: a live session's final
+        report (end reason, audio and silence seconds)."""
+        values: dict[str, Any] = {
+            "outputs": dict(outputs), "outputs_partial": False, "error_code": None, "error_message": None
+        }
+        if session is not None:
+            values["session_state"] = session
+        self._end(lease, "succeeded", values, "finish")
+
+    def fail_session(
+        self, lease: Lease, *, code: str, message: str, outputs: dict[str, str], session: dict[str, object]
+    ) -> None:
+        """Mark a live session failed (its stream broke: bad input) while keeping what it rendered
+        until then, flagged partial (fenced)."""
         self._end(
             lease,
-            "succeeded",
-            {"outputs": dict(outputs), "outputs_partial": False, "error_code": None, "error_message": None},
-            "finish",
+            "failed",
+            {
+                "outputs": dict(outputs),
+                "outputs_partial": True,
+                "error_code": code[:64],
+                "error_message": message,
+                "session_state": session,
+            },
+            "fail",
         )
 
-    def mark_cancelled(self, lease: Lease, *, partial_outputs: dict[str, str]) -> None:
-        """Mark cancelled; the outputs written so far are kept and flagged partial (fenced)."""
-        self._end(
-            lease,
-            "cancelled",
-            {
-                "outputs": dict(partial_outputs),
-                "outputs_partial": True,
-                "error_code": "cancelled",
-                "error_message": "cancelled on request",
-            },
-            "cancel",
-        )
+    def open_audio(self, job_id: str, *, tenant: str) -> bool:
+        """Claim the one WebSocket sender of a live session (conditional UPDATE: True once per
+        session, ever; False when a sender already connected, or the job is not the tenant's
+        session or has ended). Sessions are not resumable, so the claim is never released."""
+
+        def op() -> bool:
+            now = _utcnow()
+            with self.engine.begin() as conn:
+                res = conn.execute(
+                    update(JobRow)
+                    .where(
+                        JobRow.id == job_id,
+                        JobRow.tenant == tenant,
+                        JobRow.session_state.is_not(None),
+                        JobRow.audio_opened_at.is_(None),
+                        JobRow.status.in_(("queued", "running")),
+                    )
+                    .values(audio_opened_at=now, updated_at=now)
+                )
+                return bool(res.rowcount == 1)
+
+        return self._retry(op, what=f"open the audio stream of job {job_id}")
+
+    def mark_cancelled(
+        self, lease: Lease, *, partial_outputs: dict[str, str], session: dict[str, object] | None = None
+    ) -> None:
+        """Mark cancelled; the outputs written so far are kept and flagged partial (fenced).
+        ``session``: a live session's final report."""
+        values: dict[str, Any] = {
+            "outputs": dict(partial_outputs),
+            "outputs_partial": True,
+            "error_code": "cancelled",
+            "error_message": "cancelled on request",
+        }
+        if session is not None:
+            values["session_state"] = session
+        self._end(lease, "cancelled", values, "cancel")
 
     def fail(self, job_id: str, *, code: str, message: str, lease: Lease | None = None) -> None:
         """Fail the job for good. With a lease the write is fenced (LeaseLostError); without one
@@ -646,12 +699,13 @@ class JobStore:
                         JobRow.max_attempts,
                         JobRow.cancel_requested,
                         JobRow.lease_expires_at,
+                        JobRow.session_state.is_not(None),
                     )
                     .where(JobRow.status == "running", JobRow.lease_expires_at < t)
                     .order_by(JobRow.lease_expires_at)
                     .limit(limit)
                 ).all()
-            for job_id, token, owner, attempts, max_attempts, cancel, expired_at in expired:
+            for job_id, token, owner, attempts, max_attempts, cancel, expired_at, is_session in expired:
                 guard = and_(
                     JobRow.id == job_id,
                     JobRow.lease_token == token,
@@ -669,6 +723,17 @@ class JobStore:
                         "outputs_partial": True,
                         "error_code": "cancelled",
                         "error_message": f"cancelled; {why}",
+                    }
+                elif is_session:
+                    # a live session's audio went to the dead worker: it cannot be resumed
+                    values = {
+                        "status": "failed",
+                        "finished_at": t,
+                        "outputs_partial": True,
+                        "error_code": "session_lost",
+                        "error_message": f"{why}; a live session is not resumable (its streamed audio "
+                        "went to that worker): the segments rendered until then stay (GET .../outputs), "
+                        "start a new session",
                     }
                 elif attempts >= max_attempts:
                     values = {

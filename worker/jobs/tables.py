@@ -102,6 +102,11 @@ class JobRow(Base):
     # (the broker was down at submit). The sweeper (worker.jobs.reaper) publishes NULL rows and
     # republishes rows whose message is no longer in the broker.
     published_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # live sessions (issue 13; NULL for a job with an audio file): what the worker reports of the
+    # session (end reason, audio and inserted silence seconds, per-chunk delay), and when its one
+    # WebSocket sender connected (the API claims it with a conditional UPDATE: one sender, ever)
+    session_state: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    audio_opened_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class SegmentRow(Base):

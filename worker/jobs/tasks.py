@@ -32,7 +32,7 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -55,6 +55,8 @@ from worker.jobs.lease import LeaseKeeper
 from worker.jobs.queue import enqueue_render
 from worker.jobs.records import JobRecord, Lease, Progress
 from worker.jobs.runner import NodeExecutor, RenderJob, RenderOutcome
+from worker.jobs.session import SessionFeeder
+from worker.jobs.session_relay import SessionRelay
 from worker.jobs.store import JobStore
 from worker.logging import job_context, set_chunk
 from worker.settings import Settings
@@ -222,7 +224,9 @@ class JobWorker:
                 fence=fence,
             )
             image = self._fetch(rec, rec.spec.image, "image", workdir)
-            audio = self._fetch(rec, rec.spec.audio, "audio", workdir)
+            # a live session has no audio file: the render follows the live directory the session
+            # feeder writes (worker.jobs.session)
+            audio = workdir / "live" if rec.spec.audio is None else self._fetch(rec, rec.spec.audio, "audio", workdir)
             resume_state = self._resume_state(committed, delivery)
         except InvalidInputError as exc:
             self.store.fail(lease.job_id, lease=lease, code=exc.code, message=str(exc))
@@ -237,13 +241,14 @@ class JobWorker:
             )
         if committed:
             log.info("resuming after committed segment %d", committed[-1].index)
+        feeder: list[SessionFeeder] = []
         try:
-            outcome = self._render(lease, rec, delivery, image, audio, resume_state)
+            outcome = self._render(lease, rec, delivery, image, audio, resume_state, feeder)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         if lost.is_set() and outcome.status != "succeeded":
             outcome = RenderOutcome(status="stopped", code="lease_lost", message="lease lost during a commit")
-        return self._end(lease, delivery, outcome)
+        return self._end(lease, delivery, outcome, feeder[0] if feeder else None)
 
     def _render(
         self,
@@ -253,8 +258,12 @@ class JobWorker:
         image: Path,
         audio: Path,
         resume_state: bytes | None,
+        feeder_out: list[SessionFeeder],
     ) -> RenderOutcome:
+        """Render one attempt; for a live session also run its :class:`SessionFeeder` (appended to
+        ``feeder_out`` for :meth:`_end`)."""
         s = self.settings
+        session = rec.spec.session
         keeper = LeaseKeeper(
             self.store,
             lease,
@@ -264,6 +273,27 @@ class JobWorker:
             stall_s=s.progress_timeout_s + s.cancel_grace_s + s.lease_s,
             drain=self.drain_requested,
         )
+        stop_reason = keeper.stop_reason
+        feeder: SessionFeeder | None = None
+        if session is not None:
+            # a session is not handed back at shutdown (its audio cannot follow it to another
+            # worker): the worker's warm shutdown waits for it to end (docs/sessions.md)
+            def stop_reason() -> str | None:
+                reason = keeper.stop_reason()
+                return None if reason == "drain" else reason
+
+            feeder = SessionFeeder(
+                rec.id,
+                audio,
+                session,
+                lambda: SessionRelay(s.broker_url, s.queue_name, rec.id, socket_timeout_s=s.broker_socket_timeout_s),
+                # the render itself stops at max_job_s of wall time: end the feed before that
+                max_s=min(s.session_max_s, 0.9 * s.max_job_s),
+                max_ahead_s=s.session_max_ahead_s,
+                max_lag_s=s.session_max_lag_s,
+                stop_reason=stop_reason,
+            )
+            feeder_out.append(feeder)
         claimed_at = time.monotonic()
         first_fragment_at: list[float] = []
         last_chunk_at = [claimed_at]
@@ -278,12 +308,15 @@ class JobWorker:
             last_chunk_at[0] = now
 
         def on_progress(p: RenderProgress) -> None:
+            if feeder is not None:
+                feeder.on_progress(p)
             keeper.report(
                 Progress(
                     chunks_done=p.emission_index + 1,
-                    num_chunks=p.num_emissions,
+                    num_chunks=p.num_emissions if feeder is None else None,  # a session's total is unknown
                     frames_done=p.frames_done,
-                    num_frames=p.num_frames,
+                    num_frames=p.num_frames if feeder is None else None,
+                    session=feeder.report() if feeder is not None else None,
                 )
             )
 
@@ -295,6 +328,8 @@ class JobWorker:
             family=rec.spec.family,
             preset=rec.spec.preset,
             checkpoint=s.model_weights(rec.spec.model),
+            use_i_chunks=session is None or session.latency == "default",
+            live=session is not None,
         )
         job = RenderJob(
             job_id=rec.id,
@@ -302,20 +337,38 @@ class JobWorker:
             log_level=s.log_level,
             log_json=s.log_json,
         )
+        on_alive: Callable[[float], None] = keeper.alive
+        if feeder is not None:
+            session_feeder = feeder
+
+            def session_alive(grace_s: float) -> None:
+                keeper.alive(grace_s)
+                # the first sign of life after the ranks' start: the render is on its way, the API
+                # tells the sender `ready` (docs/sessions.md)
+                if grace_s == 0.0 and not session_feeder.ready:
+                    session_feeder.ready = True
+                    keeper.report(Progress(chunks_done=0, session=session_feeder.report()))
+
+            on_alive = session_alive
+
         keeper.start()
+        if feeder is not None:
+            feeder.start()
         try:
             outcome = self.node.run(
                 job,
                 delivery.sinks,
-                stop_reason=keeper.stop_reason,
+                stop_reason=stop_reason,
                 on_progress=on_progress,
                 on_fragment=on_fragment,
-                on_alive=keeper.alive,
+                on_alive=on_alive,
                 cancel_grace_s=s.cancel_grace_s,
                 progress_timeout_s=s.progress_timeout_s,
                 timeout_s=s.max_job_s,
             )
         finally:
+            if feeder is not None:
+                feeder.stop()  # the render returned: end the feed if it has not ended (a failure)
             keeper.stop()
         if first_fragment_at:
             log.info(
@@ -329,7 +382,10 @@ class JobWorker:
                 metrics.FRAMES_PER_SECOND.observe(frames / wall)
         return outcome
 
-    def _end(self, lease: Lease, delivery: JobDelivery, outcome: RenderOutcome) -> str:
+    def _end(
+        self, lease: Lease, delivery: JobDelivery, outcome: RenderOutcome, feeder: SessionFeeder | None = None
+    ) -> str:
+        session = feeder.report() if feeder is not None else None
         if outcome.status == "succeeded":
             # what the row will claim must exist (issue 17 item 6: a store that lost data mid-render)
             problem = delivery.verify(self.store.segments(lease.job_id))
@@ -338,7 +394,20 @@ class JobWorker:
                     lease, delivery, code="output_missing", retryable=True,
                     message=f"outputs failed verification at finish: {problem}",
                 )
-            self.store.finish(lease, outputs=delivery.outputs())
+            if feeder is not None and session is not None and feeder.end_reason == "error":
+                # the sender's stream broke: what it sent until then is rendered and kept (partial)
+                self.store.fail_session(
+                    lease,
+                    code="session_input",
+                    message=f"the session's audio stream ended with an error: {feeder.error}",
+                    outputs=delivery.outputs(),
+                    session=session,
+                )
+                return "failed"
+            if feeder is not None and feeder.end_reason == "cancelled" and self.store.cancel_requested(lease.job_id):
+                self.store.mark_cancelled(lease, partial_outputs=delivery.outputs(), session=session)
+                return "cancelled"
+            self.store.finish(lease, outputs=delivery.outputs(), session=session)
             return "succeeded"
         if outcome.status == "stopped":
             return "lease_lost"
@@ -349,7 +418,7 @@ class JobWorker:
             return "drained"
         if outcome.status == "cancelled":
             delivery.abandon()
-            self.store.mark_cancelled(lease, partial_outputs=delivery.partial_outputs())
+            self.store.mark_cancelled(lease, partial_outputs=delivery.partial_outputs(), session=session)
             return "cancelled"
         return self._retry_or_fail(
             lease,
