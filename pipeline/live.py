@@ -212,8 +212,17 @@ class LiveClock:
             owed = int((self.elapsed_s(now) - self.max_lag_s) * rate) - self.writer.frames
             return self.writer.write_silence(owed) if owed > 0 else 0
 
-    def feed(self, pcm: bytes, now: float | None = None) -> int:
+    def would_overrun(self, frames: int, now: float | None = None) -> bool:
+        """True when appending ``frames`` now would run more than ``max_ahead_s`` ahead of the
+        clock (a receiver holds the audio back, or stops reading its sender, until it is False)."""
+        if self.writer.frames == 0:
+            return False  # the first audio starts the clock: never refused
+        over = self.ahead_s(now) + frames / self.writer.meta.sample_rate - self.max_ahead_s
+        return over > 0
+
+    def feed(self, pcm: bytes, now: float | None = None, *, t: float | None = None) -> int:
         """Append the sender's audio (after any silence owed); returns the frames appended.
+        ``t``: its arrival time (unix seconds) for the index, when it arrived before now (relayed).
         Raises :class:`LiveFormatError` when it would run more than ``max_ahead_s`` ahead."""
         now = time.monotonic() if now is None else now
         with self._lock:
@@ -221,9 +230,8 @@ class LiveClock:
                 self.started_at = now
         self.tick(now)
         frames = len(pcm) // self.writer.meta.frame_bytes
-        over = self.ahead_s(now) + frames / self.writer.meta.sample_rate - self.max_ahead_s
-        if over > 0 and self.writer.frames > 0:
+        if self.would_overrun(frames, now):
             raise LiveFormatError(
-                f"audio arrives {over:.1f} s beyond the session's buffer of max_ahead_s={self.max_ahead_s:g} s "
-                "ahead of real time; wait before sending more (the receiver stops reading when it is full)")
-        return self.writer.write(pcm)
+                f"audio arrives beyond the session's buffer of max_ahead_s={self.max_ahead_s:g} s ahead of "
+                "real time; wait before sending more (the receiver stops reading when it is full)")
+        return self.writer.write(pcm, t=t)

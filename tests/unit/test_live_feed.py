@@ -63,3 +63,12 @@ def test_the_live_clock_inserts_silence_when_the_sender_is_late_and_bounds_the_l
     with pytest.raises(LiveFormatError, match="max_ahead_s"):
         clock.feed(b"\x00\x00" * 8000, now=12.1)
     assert w.frames == 28000
+
+
+def test_relayed_audio_keeps_its_arrival_time_and_the_first_audio_is_never_held(tmp_path: Path) -> None:
+    w = LiveAudioWriter(tmp_path, LiveMeta(8000, 1))
+    clock = LiveClock(w, max_lag_s=0.5, max_ahead_s=1.0)
+    assert not clock.would_overrun(8000 * 5, now=1.0), "the first audio starts the clock"
+    clock.feed(b"\x00\x00" * 8000 * 5, now=1.0, t=1234.5)
+    assert json.loads((tmp_path / "index.jsonl").read_text().splitlines()[-1])["t"] == 1234.5
+    assert clock.would_overrun(1, now=1.0) and not clock.would_overrun(8000, now=6.0)

@@ -183,16 +183,13 @@ class SessionFeeder(threading.Thread):
             record = self._pending[0]
             frames = len(record.data) // meta.frame_bytes
             room = int((self.max_s - self.writer.duration_s) * meta.sample_rate)
-            if self.writer.frames > 0 and self.clock.ahead_s(now) + frames / meta.sample_rate > self.clock.max_ahead_s:
+            if self.clock.would_overrun(frames, now):
                 return  # the sender is ahead: wait for the clock (the relay stays unread meanwhile)
-            if self.clock.started_at is None:
-                self.clock.started_at = now  # the live clock starts with the first audio
-            self.clock.tick(now)
             data = record.data[: max(0, room) * meta.frame_bytes]
             self._pending.popleft()
             if data:
                 # stamped with its arrival at the API: the per-chunk delay counts the relay too
-                self.audio_frames += self.writer.write(data, t=record.t)
+                self.audio_frames += self.clock.feed(data, now, t=record.t)
             if len(data) < len(record.data):
                 self._pending.clear()  # past max_s: the rest of the session's audio is not rendered
                 self.writer.close("max_duration")
