@@ -36,7 +36,7 @@ from av.codec.context import Flags
 
 from pipeline import fmp4
 from pipeline.errors import InvalidInputError
-from pipeline.inputs import AudioSource
+from pipeline.inputs import AudioReader
 from pipeline.media_types import Fragment, InitSegment
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,8 @@ def video_timescale(fps: int) -> int:
 class FragmentEncoder:
     """Encodes emissions (RGB frames + the matching span of ``audio``) into fMP4 fragments.
 
-    ``audio`` is read, never owned: the caller closes it after the render. ``audio=None`` gives a
+    ``audio`` is read, never owned: the caller closes it after the render; a live source
+    (``LiveAudioSource``) is waited on for each fragment's span. ``audio=None`` gives a
     video-only stream. ``crf`` is x264's constant rate factor (lower = better, 18-28 sensible);
     ``preset`` trades speed for size. ``start_frame`` is where a resumed render continues; it only
     serves as a check on the first ``encode`` call, because a fragment's bytes never depend on it.
@@ -64,7 +65,7 @@ class FragmentEncoder:
         width: int,
         height: int,
         fps: int,
-        audio: AudioSource | None,
+        audio: AudioReader | None,
         *,
         output_rate: int = 48000,
         crf: int = 23,
@@ -94,7 +95,6 @@ class FragmentEncoder:
         self._next_frame: int | None = start_frame
         self._video_timescale = video_timescale(fps)
         self._frame_duration = self._video_timescale // fps
-        self._audio_samples = audio.num_samples(output_rate) if audio is not None else 0
         self._init = self._build_init()
 
     # ------------------------------------------------------------------------------------ init
@@ -240,11 +240,13 @@ class FragmentEncoder:
 
     def _audio_run(self, first_frame: int, end_frame: int, is_last: bool) -> fmp4.TrackRun:
         assert self.audio is not None
-        total = self._audio_samples
-        num_aac = -(-total // AAC_FRAME)
         j0 = -(-self._audio_sample(first_frame) // AAC_FRAME)
-        j1 = num_aac if is_last else -(-self._audio_sample(end_frame) // AAC_FRAME)
-        j1 = min(j1, num_aac)
+        j1 = -(-self._audio_sample(end_frame) // AAC_FRAME)
+        # a live source grows: wait for the samples this fragment encodes (the whole feed for the last)
+        self.audio.wait(None if is_last else (j1 + _AAC_LOOKAHEAD_FRAMES) * AAC_FRAME, self.output_rate)
+        total = self.audio.num_samples(self.output_rate)
+        num_aac = -(-total // AAC_FRAME)
+        j1 = min(num_aac if is_last else j1, num_aac)
         if j1 <= j0:
             return fmp4.TrackRun(fmp4.AUDIO_TRACK_ID, j0 * AAC_FRAME, [], [])
         start = (j0 - _AAC_PREROLL_FRAMES) * AAC_FRAME

@@ -58,3 +58,10 @@ class PipelineBuildError(RenderError):
     """Stage wiring is inconsistent (missing or mistyped port); raised when the pipeline is built."""
 
     code = "pipeline_build"
+
+
+class LiveFeedError(RenderError):
+    """A live session's audio feed broke: its directory is inconsistent, or it stopped growing
+    without an end (the feeder died). Sessions are not resumable, so never retried."""
+
+    code = "live_feed"

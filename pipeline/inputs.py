@@ -23,7 +23,7 @@ import threading
 import warnings
 from pathlib import Path
 from types import TracebackType
-from typing import BinaryIO
+from typing import BinaryIO, Protocol, runtime_checkable
 
 import av
 import numpy as np
@@ -187,6 +187,25 @@ def _audio_error(path: Path, problem: str, fix: str) -> InvalidInputError:
 _AUDIO_FIX = "use a WAV, MP3, M4A/AAC, FLAC or Ogg file with an audio track"
 
 
+@runtime_checkable
+class AudioReader(Protocol):
+    """The driving audio as the stages and the encoder read it: :class:`AudioSource` (a file, whole
+    from the start) and ``pipeline.live_source.LiveAudioSource`` (a live feed, growing)."""
+
+    def read(self, start: int, stop: int, rate: int) -> np.ndarray:
+        """Mono float32 samples ``[start, stop)`` at ``rate``, zero outside the audio."""
+        ...
+
+    def num_samples(self, rate: int) -> int:
+        """Length of the audio in samples at ``rate`` (live: what the render has waited for so far)."""
+        ...
+
+    def wait(self, stop: int | None, rate: int, *, timeout_s: float | None = None) -> bool:
+        """Block until samples ``[0, stop)`` at ``rate`` can be read, or the audio is complete
+        (``stop`` None: until it is complete); False if ``timeout_s`` passed first."""
+        ...
+
+
 class AudioSource:
     """The driving audio, decoded once, mono float32 at two rates, on disk.
 
@@ -257,14 +276,12 @@ class AudioSource:
 
     def read(self, start: int, stop: int, rate: int) -> np.ndarray:
         """Samples ``[start, stop)`` at ``rate`` as a new float32 array, zeros outside ``[0, n)``."""
-        track = self._track(rate)
-        if stop < start:
-            raise ValueError(f"read(start={start}, stop={stop}): stop must be >= start")
-        out = np.zeros(stop - start, dtype=np.float32)
-        lo, hi = max(start, 0), min(stop, track.num_samples)
-        if hi > lo:
-            track.read_into(out[lo - start : hi - start], lo)
-        return out
+        return self._track(rate).read(start, stop)
+
+    def wait(self, stop: int | None, rate: int, *, timeout_s: float | None = None) -> bool:
+        """A file's audio is complete from the start: nothing to wait for."""
+        self._track(rate)
+        return True
 
     def close(self) -> None:
         """Close the files (and with them free the disk space). Idempotent."""
@@ -299,6 +316,16 @@ class _Track:
         self.num_samples = num_samples
         self._file = open(file, "rb", buffering=0)  # noqa: SIM115 - held open for the render
         self._lock = threading.Lock()  # only where there is no os.pread (one shared file offset)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Samples ``[start, stop)`` as a new float32 array, zeros outside ``[0, num_samples)``."""
+        if stop < start:
+            raise ValueError(f"read(start={start}, stop={stop}): stop must be >= start")
+        out = np.zeros(stop - start, dtype=np.float32)
+        lo, hi = max(start, 0), min(stop, self.num_samples)
+        if hi > lo:
+            self.read_into(out[lo - start : hi - start], lo)
+        return out
 
     def read_into(self, out: np.ndarray, first: int) -> None:
         view = out.data.cast("B")  # out: a contiguous float32 slice of the result

@@ -104,6 +104,14 @@ class ModelFamily(ABC):
         default one to one. ``render()`` plans the chunks with it."""
         return FrameGrid()
 
+    def audio_lookahead_frames(self, preset: FamilyPreset) -> int:
+        """Video frames of audio past a step window's last video frame that the family's step stages
+        read (an audio encoder's right context, a feature window). A live render
+        (``pipeline.schedule.LiveChunkPlan``) waits for that much audio before running the step, and
+        ``LiveAudioSource`` refuses reads past it, so a family that reads further must say so here.
+        Default: none."""
+        return 0
+
     def output_size(self, preset: FamilyPreset, source_hw: tuple[int, int]) -> tuple[int, int]:
         """``(height, width)`` of the video for a reference image of ``source_hw`` pixels; default the
         preset's fixed size. ``render()`` crops and resizes the reference to it and encodes at it."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import time
 from collections import deque
@@ -37,9 +38,10 @@ from pipeline import ports as P
 from pipeline.errors import CancelledError, PipelineBuildError
 from pipeline.host import release_free_heap
 from pipeline.lane import Lane
+from pipeline.live_run import LiveSchedule
 from pipeline.publish import Publisher
 from pipeline.request import RenderProgress
-from pipeline.schedule import ChunkKind, ChunkPlan, ChunkStep, Emission
+from pipeline.schedule import ChunkKind, ChunkPlan, ChunkStep, Emission, ReleasedStep
 from pipeline.stage import Phase, Port, Scope, Stage, Values
 from pipeline.stage_common import Timings
 from pipeline.state import RollingState
@@ -51,9 +53,15 @@ Mode = Literal["streaming", "batch"]
 
 @dataclass(frozen=True)
 class _EmissionWork:
-    emission: Emission
+    released: ReleasedStep  # the step that made the emission final
     latents: torch.Tensor  # low-res latents_BCThw of the emission
     state: RollingState  # the rolling state as of the step that made the emission final
+    snapshot: bool  # make the resume snapshot (not for the last emission, nor for a live session)
+
+    @property
+    def emission(self) -> Emission:
+        assert self.released.step.emission is not None
+        return self.released.step.emission
 
 
 class Pipeline:
@@ -101,7 +109,7 @@ class Pipeline:
         self,
         *,
         job_values: dict[Port[object], object],
-        plan: ChunkPlan,
+        plan: ChunkPlan | LiveSchedule,
         state: RollingState,
         publisher: Publisher,
         mode: Mode = "streaming",
@@ -110,60 +118,84 @@ class Pipeline:
         overlap_emissions: bool = False,
     ) -> None:
         """Run ``plan`` from ``state.next_step`` on. ``on_chunk`` is called on this thread, in order,
-        once per published emission (streaming) or once at the end (batch)."""
+        once per published emission (streaming) or once at the end (batch).
+
+        A :class:`~pipeline.live_run.LiveSchedule` (streaming only, from the start) releases its steps
+        as the audio arrives; each emission's progress then carries ``audio_delay_s`` (its fragment's
+        delivery to the sinks minus the arrival of the last audio it needed) and the counts so far,
+        and is reported once the fragment is delivered.
+        """
         t_start = time.perf_counter()
+        live = isinstance(plan, LiveSchedule)
+        if live and (mode != "streaming" or state.next_step):
+            raise PipelineBuildError("a live schedule runs in streaming mode from its first step")
         values = Values(self.ports)
         for port, value in job_values.items():
             if port.scope is not Scope.JOB:
                 raise PipelineBuildError(f"job value {port.name!r} is chunk-scoped")
             values.put(port, value)
-        values.put(P.PLAN, plan)
         values.put(P.ROLLING, state)
-        for stage in self.stages:
-            with self.timings.stage(stage.name):
-                stage.setup(values)
 
         held: list[torch.Tensor] = []  # batch mode only: every emission's latents, in order
-        events: deque[RenderProgress] = deque()  # published emissions not yet reported to on_chunk
+        events: deque[tuple[RenderProgress, float | None]] = deque()  # (progress, arrival): not reported yet
 
-        def report() -> None:
+        def report(*, drained: bool = False) -> None:
             while events:
-                event = events.popleft()
+                event, arrival = events[0]
+                if live:  # reported once delivered, with its delay
+                    delivered = publisher.delivered_at(event.emission_index)
+                    if delivered is None and not drained:
+                        return
+                    if delivered is not None and arrival is not None:
+                        event = dataclasses.replace(event, audio_delay_s=delivered - arrival)
+                events.popleft()
                 if on_chunk is not None:
                     on_chunk(event)
 
         def emit(vals: Values, work: _EmissionWork) -> None:
-            self._emit(vals, work, plan, publisher)
-            events.append(RenderProgress(work.emission.index, plan.num_emissions,
-                                         plan.video_frames(work.emission.frames).stop,
-                                         plan.total_video_frames, time.perf_counter() - t_start))
+            self._emit(vals, work, publisher)
+            r = work.released
+            total = r.plan.num_emissions if r.is_final else work.emission.index + 1
+            frames = r.plan.total_video_frames if r.is_final else r.video.stop
+            events.append((RenderProgress(work.emission.index, total, r.video.stop, frames,
+                                          time.perf_counter() - t_start), r.arrival_t))
 
         lane: Lane[_EmissionWork] | None = None
         if overlap_emissions and mode == "streaming":
             lane_values = values.fork()  # same job values, its own chunk values
             lane = Lane("emission", lambda work: emit(lane_values, work))
-        steps = plan.steps
+        steps = plan.released(report) if isinstance(plan, LiveSchedule) else plan.released(state.next_step)
+        first = next(steps, None)  # live: waits for the first chunk's audio (the setup may read it)
+        values.put(P.PLAN, first.plan if first is not None else plan)
+        for stage in self.stages:
+            with self.timings.stage(stage.name):
+                stage.setup(values)
         publisher.open()
         ok = False
+        last: ReleasedStep | None = None
         try:
             if lane is not None:
                 lane.start()
-            for i in range(state.next_step, len(steps)):
+            for released in itertools.chain([first] if first is not None else [], steps):
+                step = released.step
                 if should_cancel is not None and should_cancel():
-                    raise CancelledError(f"render cancelled before step {steps[i].name}")
-                step = steps[i]
+                    raise CancelledError(f"render cancelled before step {step.name}")
+                if live:
+                    values.put(P.PLAN, released.plan)  # the plan the step was taken from
                 values.put(P.STEP, step)
                 for stage in self.step_stages:
                     with self.timings.stage(stage.name):
                         stage.run(values)
                 latents = _advance(state, step, values.get(P.STEP_LATENTS))
-                state.next_step = i + 1
+                state.next_step = released.index + 1
                 values.end_chunk()
+                last = released
                 if step.emission is not None and latents is not None:
                     if mode == "batch":
                         held.append(latents)
                     else:
-                        work = _EmissionWork(step.emission, latents, dataclasses.replace(state))
+                        work = _EmissionWork(released, latents, dataclasses.replace(state),
+                                             snapshot=not live and not released.is_last_emission)
                         if lane is not None:
                             lane.submit(work)
                         else:
@@ -172,10 +204,15 @@ class Pipeline:
             if lane is not None:
                 lane.finish(ok=True)  # every emission published (raises the lane's error, if any)
             if mode == "batch":
+                assert isinstance(plan, ChunkPlan)
                 self._emit_batch(values, state, plan, publisher, held)
-                events.append(RenderProgress(plan.num_emissions - 1, plan.num_emissions, plan.total_video_frames,
-                                         plan.total_video_frames, time.perf_counter() - t_start))
-            report()  # before the sinks finish: a callback that raises still fails the render
+                events.append((RenderProgress(plan.num_emissions - 1, plan.num_emissions, plan.total_video_frames,
+                                              plan.total_video_frames, time.perf_counter() - t_start), None))
+            if live:
+                publisher.drain()  # every fragment delivered: each event has its delay
+                if last is None or not last.is_last_emission:
+                    raise RuntimeError("the live schedule ended before its last emission")
+            report(drained=True)  # before the sinks finish: a callback that raises still fails the render
             ok = True
         finally:
             if lane is not None and lane.running:  # failed or cancelled: drop the queued emissions
@@ -191,19 +228,18 @@ class Pipeline:
                 stage.run(values)
         return values.get(P.FRAMES)
 
-    def _emit(self, values: Values, work: _EmissionWork, plan: ChunkPlan, publisher: Publisher) -> None:
+    def _emit(self, values: Values, work: _EmissionWork, publisher: Publisher) -> None:
         """SR + decode one emission and publish it, with the resume snapshot of the state after it."""
         emission = work.emission
         frames = self._run_emission_stages(values, emission, work.latents)
         values.end_chunk()
         state = values.get(P.ROLLING)  # the decoder cache lives here (only the decode stage touches it)
         state.next_emission = emission.index + 1
-        is_last = emission.index == plan.num_emissions - 1
-        snapshot = None if is_last else dataclasses.replace(
+        snapshot = None if not work.snapshot else dataclasses.replace(
             work.state, next_emission=emission.index + 1, decoder_cache=state.decoder_cache).snapshot()
-        video = plan.video_frames(emission.frames)  # the last emission is cut at the video's end
-        publisher.publish(frames[: len(video)], first_frame=video.start, index=emission.index, is_last=is_last,
-                          resume_state=snapshot)
+        video = work.released.video  # the last emission is cut at the video's end
+        publisher.publish(frames[: len(video)], first_frame=video.start, index=emission.index,
+                          is_last=work.released.is_last_emission, resume_state=snapshot)
         del frames, snapshot
         release_free_heap()  # the emission's activations are free now; keep RSS at live memory
 

@@ -11,29 +11,15 @@ values live for the request, ``chunk`` values for one step.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
-
 import numpy as np
 import torch
 
+from pipeline.inputs import AudioReader as AudioReader
 from pipeline.schedule import ChunkPlan, ChunkStep, Emission
 from pipeline.stage import Port, Scope
 from pipeline.state import RollingState
 
 J, C = Scope.JOB, Scope.CHUNK
-
-
-@runtime_checkable
-class AudioReader(Protocol):
-    """What the stages need of the driving audio (``pipeline.inputs.AudioSource`` implements it)."""
-
-    def read(self, start: int, stop: int, rate: int) -> np.ndarray:
-        """Mono float32 samples ``[start, stop)`` at ``rate``, zero outside the audio."""
-        ...
-
-    def num_samples(self, rate: int) -> int:
-        """Length of the audio in samples at ``rate``."""
-        ...
 
 
 # provided by the pipeline from the request

@@ -13,7 +13,9 @@ overlap the next chunk). It owns the encoder; the sinks are the caller's.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -60,6 +62,10 @@ class Publisher:
         self.sink_s = 0.0
         self.first_fragment_at: float | None = None  # perf_counter() when fragment 0 reached the sinks
         self.num_fragments = 0
+        # (index, time.time()) of the latest deliveries: a live render's delay per emission; a few
+        # fragments are in flight at most (one queued per lane), so a short window is enough
+        self._delivered: deque[tuple[int, float]] = deque(maxlen=16)
+        self._delivered_lock = threading.Lock()
         self._lane: Lane[_Item] = Lane("publisher", self._deliver)
         self._opened: list[FrameSink] = []
 
@@ -81,6 +87,16 @@ class Publisher:
             self._lane.submit(item)
         else:
             self._deliver(item)
+
+    def delivered_at(self, index: int) -> float | None:
+        """``time.time()`` when fragment ``index`` reached every sink (None: not yet, or long ago)."""
+        with self._delivered_lock:
+            return next((t for i, t in self._delivered if i == index), None)
+
+    def drain(self) -> None:
+        """Wait until every published emission is delivered (raises the first delivery error); the
+        sinks stay open until :meth:`finish`."""
+        self._lane.finish(ok=True)
 
     def finish(self, *, ok: bool) -> None:
         """Drain (when ``ok``), then close every opened sink. Raises the first delivery error."""
@@ -115,6 +131,8 @@ class Publisher:
         if self.first_fragment_at is None:
             self.first_fragment_at = time.perf_counter()
         self.num_fragments += 1
+        with self._delivered_lock:
+            self._delivered.append((item.index, time.time()))
         if self.on_fragment is not None:
             self.on_fragment(fragment)
 

@@ -8,6 +8,7 @@ particular family.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -22,11 +23,13 @@ from pipeline.families import FAMILIES
 from pipeline.family_runtime import WARM_FAMILIES, FamilyRuntime
 from pipeline.host import peak_rss_bytes
 from pipeline.inputs import AudioSource, image_size, load_reference_image
+from pipeline.live_run import LiveSchedule
+from pipeline.live_source import LiveAudioSource
 from pipeline.media_types import FrameSink
 from pipeline.pipeline import Mode
 from pipeline.publish import Publisher
 from pipeline.request import MAX_TEXT_CHARS, RenderProgress, RenderRequest, RenderResult
-from pipeline.schedule import ChunkPlan, PlanError, frames_for_audio
+from pipeline.schedule import ChunkPlan, LiveChunkPlan, PlanError, frames_for_audio
 from pipeline.state import RollingState
 
 log = logging.getLogger(__name__)
@@ -64,6 +67,13 @@ def render(
     """
     t0 = time.perf_counter()
     validate_request(request)
+    if request.live:
+        if mode != "streaming":
+            raise InvalidInputError(f"mode={mode!r} with live=True: a live session is published as it renders; "
+                                    "pass mode='streaming'", field="mode")
+        if resume_state is not None:
+            raise InvalidInputError("resume_state with live=True: live sessions are not resumable (their audio "
+                                    "was live); start a new session without resume_state", field="resume_state")
     if family is None:
         family = WARM_FAMILIES.get(FAMILIES.get(request.family), request.preset, request.checkpoint, device=device)
     elif family.family.name != request.family:
@@ -80,6 +90,9 @@ def render(
     height, width = family.family.output_size(preset, image_size(Path(request.image)))
     reference = load_reference_image(Path(request.image), height, width)
     grid = family.family.frame_grid(preset)
+    if request.live:
+        return _render_live(request, sinks, family, reference, options, t0=t0, should_cancel=should_cancel, on_progress=on_progress,
+                            frame_tap=frame_tap)
     with AudioSource.open(Path(request.audio), model_rate=preset.sample_rate) as audio:
         try:
             num_video = frames_for_audio(audio.num_samples(preset.sample_rate), preset.sample_rate, preset.fps)
@@ -109,11 +122,49 @@ def render(
             plan=plan, state=state, publisher=publisher, mode=mode, should_cancel=should_cancel,
             on_chunk=on_progress, overlap_emissions=family.overlap_emissions,
         )
+    return _result(family, publisher, plan.total_video_frames, t0)
+
+
+def _render_live(request: RenderRequest, sinks: Sequence[FrameSink], family: FamilyRuntime, reference: np.ndarray,
+                 options: dict[str, str | int | float], *, t0: float,
+                 should_cancel: Callable[[], bool] | None, on_progress: Callable[[RenderProgress], None] | None,
+                 frame_tap: Callable[[int, np.ndarray], None] | None) -> RenderResult:
+    """``request.audio`` is a live directory (``pipeline.live``): the steps run as its audio arrives
+    (``pipeline.live_run.LiveSchedule``) until its ``end.json``; see docs/live.md."""
+    preset = family.preset
+    try:
+        live_plan = LiveChunkPlan(preset.chunk_frames, preset.context_frames, preset.interp_frames,
+                                  use_i_chunks=request.use_i_chunks, reference_frame=preset.reference_frame,
+                                  grid=family.family.frame_grid(preset),
+                                  audio_lookahead_frames=family.family.audio_lookahead_frames(preset))
+    except PlanError as exc:
+        raise InvalidInputError(f"preset {preset.name!r}: {exc}", field="preset") from exc
+    with LiveAudioSource(Path(request.audio), model_rate=preset.sample_rate, should_cancel=should_cancel) as audio:
+        schedule = LiveSchedule(live_plan, audio, preset.sample_rate, preset.fps)
+        encoder = FragmentEncoder(reference.shape[1], reference.shape[0],
+                                  preset.fps, audio, preset="veryfast")
+        publisher = Publisher(encoder, sinks, asynchronous=True, frame_tap=frame_tap)
+        family.timings.reset()
+        family.pipeline.run(
+            job_values={P.REFERENCE_RGB: reference, P.AUDIO: audio, P.TEXT: request.text, P.SEED: request.seed,
+                        P.OPTIONS: options},
+            plan=schedule, state=RollingState(plan_key=live_plan.key), publisher=publisher, mode="streaming",
+            should_cancel=should_cancel, on_chunk=on_progress, overlap_emissions=family.overlap_emissions,
+        )
+        end = audio.end
+    assert schedule.final is not None and end is not None  # the schedule ran to the feed's end
+    rate = audio.meta.sample_rate
+    return dataclasses.replace(_result(family, publisher, schedule.final.total_video_frames, t0),
+                               live_end_reason=end.reason, live_fed_s=end.frames / rate,
+                               live_silence_s=end.silence_frames / rate)
+
+
+def _result(family: FamilyRuntime, publisher: Publisher, num_frames: int, t0: float) -> RenderResult:
     wall = time.perf_counter() - t0
     first = publisher.first_fragment_at
     return RenderResult(
-        num_frames=plan.total_video_frames,
-        duration_s=plan.total_video_frames / preset.fps,
+        num_frames=num_frames,
+        duration_s=num_frames / family.preset.fps,
         ttff_s=(first - t0) if first is not None else wall,
         wall_s=wall,
         peak_rss_bytes=peak_rss_bytes(),

@@ -62,6 +62,11 @@ class RenderResult:
     encode_s: float = 0.0
     num_fragments: int = 0
     random_init: bool = False
+    # live (RenderRequest.live): why the feed ended (pipeline.live.END_REASONS), the fed timeline's
+    # length (the sender's audio plus the silence the live clock inserted) and that silence, in seconds
+    live_end_reason: str | None = None
+    live_fed_s: float = 0.0
+    live_silence_s: float = 0.0
 
 
 class Renderer(Protocol):

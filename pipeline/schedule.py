@@ -35,6 +35,7 @@ The plan is consumed by the pipeline and by the resume logic of the worker, both
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -135,6 +136,36 @@ class ChunkStep:
 
 
 @dataclass(frozen=True)
+class ReleasedStep:
+    """A step ready to run, with what the chunk loop needs to publish its emission.
+
+    ``plan`` holds the step at ``index`` of its ``steps``: the whole plan, or — live, while the feed
+    runs — the plan that ends with the step's N chunk (:meth:`LiveChunkPlan.growing`), which agrees
+    with the whole plan on every step it has. ``is_final``: ``plan`` is the whole plan, so it knows
+    where the video ends. ``arrival_t`` (live): ``time.time()`` at which the last audio the step
+    needs had arrived.
+    """
+
+    index: int
+    step: ChunkStep
+    plan: ChunkPlan
+    is_final: bool = True
+    arrival_t: float | None = None
+
+    @property
+    def video(self) -> range:
+        """The video frames of the step's emission (cut at the video's end)."""
+        if self.step.emission is None:
+            return range(0)
+        return self.plan.video_frames(self.step.emission.frames)
+
+    @property
+    def is_last_emission(self) -> bool:
+        e = self.step.emission
+        return e is not None and self.is_final and e.index == self.plan.num_emissions - 1
+
+
+@dataclass(frozen=True)
 class ChunkPlan:
     """The whole schedule for ``num_frames`` timeline frames."""
 
@@ -197,34 +228,42 @@ class ChunkPlan:
     @property
     def steps(self) -> list[ChunkStep]:
         """Every step in execution order: N0, N1, I0, N2, I1, …"""
-        out: list[ChunkStep] = []
-        L, C = self.chunk_frames, self.context_frames
+        return [step for k in range(self.num_n_chunks) for step in self.chunk_steps(k)]
+
+    def released(self, start: int = 0) -> Iterator[ReleasedStep]:
+        """The steps from index ``start`` on, one N chunk at a time (nothing held for the whole plan)."""
+        i = 0
         for k in range(self.num_n_chunks):
-            gen = self.n_range(k)
-            ctx = range(max(0, gen.start - C), gen.start) if k > 0 else range(gen.start, gen.start)
-            if self.reference_frame:
-                ctx = range(ctx.start - 1, ctx.stop)
-            elif self.grid.reference_is_first and k == 0:
-                ctx = range(0, 1)  # the reference is frame 0: known, and part of N_0's output
-            emission = None
-            if k == 0:
-                emission = Emission(0, gen, gen, range(gen.stop, gen.stop))
-            elif self.interp_span(k - 1) == 0:
-                # no I chunk will complete this N chunk: it is final as it stands
-                emission = Emission(k, gen, gen, range(gen.stop, gen.stop))
-            out.append(ChunkStep(ChunkKind.N, k, range(ctx.start, gen.stop), tuple(ctx), gen, emission,
-                                 reference_slot=self.reference_frame or (self.grid.reference_is_first and k == 0)))
-            if k >= 1:
-                i = k - 1
-                e_i = self.interp_span(i)
-                if e_i == 0:
-                    continue
-                left = k * L - 1
-                right = k * L + e_i
-                nxt = self.n_range(k)
-                inner = range(left + 1, right)
-                emission = Emission(k, nxt, inner, range(right, nxt.stop))
-                out.append(ChunkStep(ChunkKind.I, i, range(left, right + 1), (left, right), inner, emission))
+            for step in self.chunk_steps(k):
+                if i >= start:
+                    yield ReleasedStep(i, step, self)
+                i += 1
+
+    def chunk_steps(self, k: int) -> list[ChunkStep]:
+        """The steps released with ``N_k``: ``N_k`` itself, then ``I_{k-1}`` when it exists (it needs
+        only ``N_k`` and earlier). ``steps`` is their concatenation over ``k``; the live plan
+        (:class:`LiveChunkPlan`) calls this on growing plans, one ``k`` at a time."""
+        L, C = self.chunk_frames, self.context_frames
+        gen = self.n_range(k)
+        ctx = range(max(0, gen.start - C), gen.start) if k > 0 else range(gen.start, gen.start)
+        if self.reference_frame:
+            ctx = range(ctx.start - 1, ctx.stop)
+        elif self.grid.reference_is_first and k == 0:
+            ctx = range(0, 1)  # the reference is frame 0: known, and part of N_0's output
+        emission = None
+        if k == 0:
+            emission = Emission(0, gen, gen, range(gen.stop, gen.stop))
+        elif self.interp_span(k - 1) == 0:
+            # no I chunk will complete this N chunk: it is final as it stands
+            emission = Emission(k, gen, gen, range(gen.stop, gen.stop))
+        out = [ChunkStep(ChunkKind.N, k, range(ctx.start, gen.stop), tuple(ctx), gen, emission,
+                         reference_slot=self.reference_frame or (self.grid.reference_is_first and k == 0))]
+        e_i = self.interp_span(k - 1) if k >= 1 else 0
+        if e_i:
+            left, right = k * L - 1, k * L + e_i
+            inner = range(left + 1, right)
+            emission = Emission(k, gen, inner, range(right, gen.stop))
+            out.append(ChunkStep(ChunkKind.I, k - 1, range(left, right + 1), (left, right), inner, emission))
         return out
 
     @property
@@ -253,6 +292,77 @@ class ChunkPlan:
 
     def describe(self) -> str:
         return " -> ".join(s.name for s in self.steps)
+
+
+@dataclass(frozen=True)
+class LiveChunkPlan:
+    """The open-ended plan of a live render: :class:`ChunkPlan`'s steps, released as the audio grows.
+
+    The final length is unknown until the feed ends, so the steps come out one N chunk at a time:
+    ``N_k`` with ``I_{k-1}`` (:meth:`ChunkPlan.chunk_steps`), taken from :meth:`growing` (the plan that
+    ends with ``N_k``) while the feed runs and from :meth:`final` once it ended. Both are exactly the
+    steps of ``ChunkPlan(num_frames=final length)``: a plan's chunk ``k`` depends on the length only
+    through whether ``N_k`` and ``N_{k+1}`` are full, which is known once the audio reaches one video
+    frame past ``N_k`` (the test of this equivalence is ``tests/unit/test_schedule.py``).
+
+    When ``N_k`` (and ``I_{k-1}``) can run, before the feed ended: when the audio covers
+    :meth:`release_video_frames` ``(k)`` video frames — ``N_k``'s last video frame, plus
+    ``audio_lookahead_frames`` (the audio the family's step stages read past a window's last frame,
+    ``ModelFamily.audio_lookahead_frames``), and at least one frame (so ``N_k`` is not the last chunk).
+    ``I_{k-1}`` needs nothing later than ``N_k``: its window lies inside ``N_{k-1}`` and ``N_k``.
+
+    Look-ahead (docs/live.md). Emission ``j`` covers ``N_j``'s frames and is made final by ``N_j``
+    (N chunks only) or by ``I_{j-1}``, released with ``N_j``: in **both** modes it can be rendered once
+    the audio reaches :attr:`lookahead_video_frames` video frames past its own last frame. Its first
+    frame waits a chunk more (its own chunk's audio). The I mode costs compute — one more step before
+    each emission is final — not audio look-ahead: ``I_{k-1}`` replaces the head of ``N_k``, not the
+    tail of ``N_{k-1}``.
+    """
+
+    chunk_frames: int  # L
+    context_frames: int  # C
+    interp_frames: int  # e
+    use_i_chunks: bool = True  # False: the low-latency mode (N chunks only, context still latents)
+    reference_frame: bool = False
+    grid: FrameGrid = FrameGrid()
+    audio_lookahead_frames: int = 0  # video frames of audio a step reads past its window's last frame
+
+    def __post_init__(self) -> None:
+        validate_plan_params(1, self.chunk_frames, self.context_frames, self.interp_frames)
+        if not isinstance(self.audio_lookahead_frames, int) or self.audio_lookahead_frames < 0:
+            raise PlanError(f"audio_lookahead_frames={self.audio_lookahead_frames!r}: must be an integer >= 0")
+        self.growing(0)  # the flag combination is checked by ChunkPlan
+
+    def growing(self, k: int) -> ChunkPlan:
+        """The plan of a timeline that ends with a full ``N_k``: its chunk ``k`` is the final plan's
+        whenever the final timeline is longer than ``(k + 1) L`` frames."""
+        return self._plan((k + 1) * self.chunk_frames, 0)
+
+    def final(self, num_video_frames: int) -> ChunkPlan:
+        """The whole plan once the feed ended with ``num_video_frames`` video frames of audio."""
+        num_frames = self.grid.timeline_frames(num_video_frames)
+        return self._plan(num_frames, 0 if self.grid.is_identity else num_video_frames)
+
+    def _plan(self, num_frames: int, num_video_frames: int) -> ChunkPlan:
+        return ChunkPlan(num_frames, self.chunk_frames, self.context_frames, self.interp_frames,
+                         use_i_chunks=self.use_i_chunks, reference_frame=self.reference_frame, grid=self.grid,
+                         num_video_frames=num_video_frames)
+
+    @property
+    def lookahead_video_frames(self) -> int:
+        """Video frames of audio past an emission's last frame before it can be rendered (both modes)."""
+        return max(1, self.audio_lookahead_frames)
+
+    def release_video_frames(self, k: int) -> int:
+        """Video frames of audio that must have arrived to run ``N_k`` (and ``I_{k-1}``) while the
+        feed has not ended."""
+        return self.grid.video_start((k + 1) * self.chunk_frames) + self.lookahead_video_frames
+
+    @property
+    def key(self) -> PlanKey:
+        """A live plan's rolling-state key (``num_frames`` 0: open-ended; sessions are not resumed)."""
+        return (0, self.chunk_frames, self.context_frames, self.interp_frames, self.use_i_chunks,
+                self.reference_frame)
 
 
 def validate_plan_params(num_frames: int, chunk_frames: int, context_frames: int, interp_frames: int) -> None:

@@ -47,6 +47,10 @@ class TinyFamily(ModelFamily):
         path = CHECKPOINT_DIR / f"{preset.name}.safetensors"
         return path if path.is_file() else None
 
+    def audio_lookahead_frames(self, preset: FamilyPreset) -> int:
+        # the context stage reads ``AudioConfig.context_frames`` video frames past each window
+        return _model_preset(preset).audio.context_frames
+
     def modules(self, preset: FamilyPreset, checkpoint: Path | None, *, device: str = "cpu",
                 seed: int = 0) -> dict[str, Module]:
         from pipeline.families.tiny.family import family_modules

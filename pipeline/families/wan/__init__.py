@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.errors import InvalidInputError
 from pipeline.families.wan.presets import (
+    AUDIO_WINDOW,
     CONDITIONING_MODES,
     OPTION_BOUNDS,
     PRESETS,
@@ -53,6 +54,11 @@ class WanFamily(ModelFamily):
     def frame_grid(self, preset: FamilyPreset) -> FrameGrid:
         # the Wan VAE: 4x temporal compression, causal first frame; the reference is the first frame (I2V)
         return FrameGrid(stride=_wan(preset).vae_stride, causal_first=True, reference_is_first=True)
+
+    def audio_lookahead_frames(self, preset: FamilyPreset) -> int:
+        # WanContextStage: half the wav2vec2 frame window past the window's last video frame, then
+        # ``audio_context`` frames of transformer context, then the CNN's receptive field (< 1 frame)
+        return AUDIO_WINDOW // 2 + _wan(preset).audio_context + 1
 
     def output_size(self, preset: FamilyPreset, source_hw: tuple[int, int]) -> tuple[int, int]:
         return _wan(preset).bucket(source_hw)

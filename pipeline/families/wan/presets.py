@@ -24,6 +24,10 @@ from dataclasses import dataclass, field
 
 from models.wan.config import TINY_SHAPES
 
+AUDIO_WINDOW = 5
+"""wav2vec2 frames per video frame (WanDiTConfig.audio_window of every release); the context stage
+windows the features with it."""
+
 # (height / width, height, width); upstream's tables (key rounded to 2 digits as upstream writes it)
 BUCKETS_480P: tuple[tuple[float, int, int], ...] = (
     (0.26, 320, 1216), (0.38, 384, 1024), (0.50, 448, 896), (0.67, 512, 768), (0.82, 576, 704),

@@ -16,13 +16,13 @@ import torch
 
 from models.wan.audio import frame_windows, num_video_frames
 from pipeline.families.wan import ports as P
+from pipeline.families.wan.presets import AUDIO_WINDOW
 from pipeline.module import Module
 from pipeline.ports import AudioReader
 from pipeline.stage import Phase, Stage, Values
 from pipeline.stage_common import Timings, step_generator
 
 SAMPLE_RATE = 16000
-AUDIO_WINDOW = 5  # wav2vec2 frames per video frame (WanDiTConfig.audio_window of every release)
 _BLOCK = 1 << 20
 
 
