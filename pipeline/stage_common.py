@@ -1,4 +1,4 @@
-"""Helpers shared by the stages: per-step seeds and model-time accounting."""
+"""Helpers shared by the stages: per-step seeds, the known positions of a window, model-time accounting."""
 
 from __future__ import annotations
 
@@ -24,6 +24,13 @@ def step_seed(seed: int, step: ChunkStep) -> int:
 
 def step_generator(seed: int, step: ChunkStep) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(step_seed(seed, step))
+
+
+def known_positions(step: ChunkStep, device: torch.device) -> torch.Tensor:
+    """The window positions of the step's known frames, in window order (``ChunkStep.known_mask``'s
+    True entries), as indices on ``device``: indexing with them, unlike with a boolean mask, needs no
+    device-to-host sync."""
+    return torch.tensor([i for i, known in enumerate(step.known_mask()) if known], dtype=torch.long, device=device)
 
 
 class Timings:

@@ -104,7 +104,7 @@ class WanAudioFeatures(nn.Module):
         rel = (pos - j0).clamp(0, cnn_BCJ.shape[2] - 1)
         left = rel.floor().long().clamp(max=cnn_BCJ.shape[2] - 1)
         right = (left + 1).clamp(max=cnn_BCJ.shape[2] - 1)
-        w = (rel - left).to(cnn_BCJ.dtype)[None, None]
+        w = (rel - left).to(cnn_BCJ.device, cnn_BCJ.dtype)[None, None]  # positions are host arithmetic
         return (cnn_BCJ[:, :, left] * (1 - w) + cnn_BCJ[:, :, right] * w).transpose(1, 2)
 
 

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from pipeline.schedule import ChunkKind, ChunkStep
+from pipeline.stage_common import known_positions
 
 MASK_CHANNELS = 4  # one mask channel per video frame of a latent (the VAE's temporal stride)
 
@@ -48,9 +49,10 @@ def known_latents(step: ChunkStep, mode: str, ref_latent: Tensor, last_n: Tensor
 def condition(step: ChunkStep, known: Tensor, pad_latent: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``(cond_BCTHW, known_BCTHW, known_BT)`` of the window: the DiT's I2V condition (4 mask channels
     + known-frame latents, ``pad_latent`` elsewhere), the clean latents for the sampler, the mask."""
-    known_BT = torch.tensor([step.known_mask()], dtype=torch.bool)
+    device = pad_latent.device  # the window's tensors live where the latents do
+    known_BT = torch.tensor([step.known_mask()], dtype=torch.bool, device=device)
     t = len(step.window)
     lat = pad_latent.expand(-1, -1, t, -1, -1).clone()
-    lat[:, :, known_BT[0]] = known.to(lat.dtype)
+    lat[:, :, known_positions(step, device)] = known.to(lat.dtype)
     mask = known_BT[:, None, :, None, None].to(lat.dtype).expand(-1, MASK_CHANNELS, -1, *lat.shape[3:])
     return torch.cat([mask, lat], dim=1), lat, known_BT

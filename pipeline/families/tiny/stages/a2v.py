@@ -21,7 +21,7 @@ from pipeline.families.tiny import ports as P
 from pipeline.module import Module
 from pipeline.schedule import ChunkKind, ChunkStep
 from pipeline.stage import Phase, Stage, Values
-from pipeline.stage_common import Timings
+from pipeline.stage_common import Timings, known_positions
 
 
 class A2VStage(Stage):
@@ -52,13 +52,14 @@ class A2VStage(Stage):
     def run(self, values: Values) -> None:
         step = values.get(P.STEP)
         noise = values.get(P.NOISE)
-        known_BT = torch.tensor([step.known_mask()], dtype=torch.bool)
+        device = noise.device  # the step's tensors live where the latents do
+        known_BT = torch.tensor([step.known_mask()], dtype=torch.bool, device=device)
         known = torch.zeros_like(noise)
         if step.known:
             state = values.get(P.ROLLING)
-            known[:, :, known_BT[0]] = known_latents(step, values.get(P.REF_LOWRES), state.last_n,
-                                                     state.prev_last).to(noise.dtype)
-        frame_index_BT = torch.tensor([list(step.window)], dtype=torch.long)
+            known[:, :, known_positions(step, device)] = known_latents(
+                step, values.get(P.REF_LOWRES), state.last_n, state.prev_last).to(noise.dtype)
+        frame_index_BT = torch.tensor([list(step.window)], dtype=torch.long, device=device)
         silent = values.get_optional(P.AUDIO_FEATS_SILENT) if self.audio_guidance != 1.0 else None
         velocity = velocity_fn(self.dit.get(), known_BT, frame_index_BT, values.get(P.REF_LATENT),
                                values.get(P.AUDIO_FEATS), values.get(P.A2V_CONTEXT), silent, self.audio_guidance)

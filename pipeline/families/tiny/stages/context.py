@@ -36,11 +36,13 @@ class ContextStage(Stage):
     @torch.no_grad()
     def setup(self, values: Values) -> None:
         rgb = values.get(P.REFERENCE_RGB)
-        ref_BCTHW = torch.from_numpy(rgb).permute(2, 0, 1)[None, :, None].float().div(127.5).sub(1.0)
+        vae = self.vae.get()
+        rgb_HWC = torch.from_numpy(rgb).to(self.vae.device)
+        ref_BCTHW = rgb_HWC.permute(2, 0, 1)[None, :, None].float().div(127.5).sub(1.0)
         with self.timings.model("vae.encode"):
-            ref_BCThw = self.vae.get().encode(ref_BCTHW)  # type: ignore[operator]
+            ref_BCThw = vae.encode(ref_BCTHW)  # type: ignore[operator]
         values.put(P.REF_LATENT, ref_BCThw[:, :, 0].contiguous())
-        values.put(P.REF_LOWRES, self.vae.get().to_lowres(ref_BCThw).contiguous())  # type: ignore[operator]
+        values.put(P.REF_LOWRES, vae.to_lowres(ref_BCThw).contiguous())  # type: ignore[operator]
         text = values.get_optional(P.TEXT)
         tokens = mask = None
         if text and self.text is not None:
@@ -60,15 +62,17 @@ class ContextStage(Stage):
         spf = self.sample_rate // self.fps
         s0, s1 = (step.window.start - pad) * spf, (step.window.stop + pad) * spf
         wave = values.get(P.AUDIO).read(s0, s1, self.sample_rate) * values.get(P.AUDIO_GAIN)
-        wave_BS = torch.from_numpy(np.clip(wave, -1.0, 1.0).astype(np.float32))[None]
+        wave_BS = torch.from_numpy(np.clip(wave, -1.0, 1.0).astype(np.float32))[None].to(self.audio.device)
         with self.timings.model("audio"):
             feats = encoder(wave_BS, len(step.window))
             silent = encoder(torch.zeros_like(wave_BS), len(step.window)) if self.silence_features else None
         values.put(P.AUDIO_FEATS, feats)
         values.put(P.AUDIO_FEATS_SILENT, silent)
         h, w = self.lr_latent_hw
+        # drawn on the CPU (the same numbers on every device), then moved to the latents' device
         gen = step_generator(values.get(P.SEED), step)
-        values.put(P.NOISE, torch.randn((1, self.latent_channels, len(step.window), h, w), generator=gen))
+        noise = torch.randn((1, self.latent_channels, len(step.window), h, w), generator=gen)
+        values.put(P.NOISE, noise.to(values.get(P.REF_LATENT).device))
 
 
 TARGET_RMS_DBFS = -20.0  # the level the models were trained at (models.avatars.speech.normalize_loudness)

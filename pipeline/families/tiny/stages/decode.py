@@ -36,4 +36,4 @@ class DecodeStage(Stage):
             rgb_BCTHW, cache = self.vae.get().decode(z, state.decoder_cache or None)  # type: ignore[operator]
         state.decoder_cache = list(cache)
         frames = rgb_BCTHW[0].permute(1, 2, 3, 0).add(1.0).mul(127.5).round().clamp(0, 255)
-        values.put(P.FRAMES, frames.to(torch.uint8).numpy())
+        values.put(P.FRAMES, frames.to(torch.uint8).cpu().numpy())

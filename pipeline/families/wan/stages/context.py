@@ -44,8 +44,8 @@ class WanContextStage(Stage):
     @torch.no_grad()
     def setup(self, values: Values) -> None:
         rgb = values.get(P.REFERENCE_RGB)
-        ref_B3HW = torch.from_numpy(rgb).permute(2, 0, 1)[None].float().div(127.5).sub(1.0)
         vae = self.vae.get()
+        ref_B3HW = torch.from_numpy(rgb).to(self.vae.device).permute(2, 0, 1)[None].float().div(127.5).sub(1.0)
         with self.timings.model("vae.encode"):
             ref_latent = vae.encode(ref_B3HW[:, :, None])  # type: ignore[operator]
             # upstream pads the condition clip with zero (gray) frames after the reference
@@ -81,15 +81,17 @@ class WanContextStage(Stage):
         c1 = min(max(b - 1 + half, 0), total - 1) + 1
 
         def read(s0: int, s1: int) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(audio.read(s0, s1, SAMPLE_RATE), dtype=np.float32))
+            wave = np.ascontiguousarray(audio.read(s0, s1, SAMPLE_RATE), dtype=np.float32)
+            return torch.from_numpy(wave).to(self.audio.device)
 
         with self.timings.model("audio"):
             feats = encoder.features(read, num_samples, c0, c1, context=self.audio_context,  # type: ignore[operator]
                                      stats=values.get(P.AUDIO_STATS))
         values.put(P.AUDIO_WINDOWS, frame_windows(feats, c0, a, b, total, window=AUDIO_WINDOW)[None].contiguous())
         ref = values.get(P.REF_LATENT)
+        # drawn on the CPU (the same numbers on every device), then moved to the latents' device
         gen = step_generator(values.get(P.SEED), step)
-        values.put(P.NOISE, torch.randn((1, ref.shape[1], t, *ref.shape[3:]), generator=gen))
+        values.put(P.NOISE, torch.randn((1, ref.shape[1], t, *ref.shape[3:]), generator=gen).to(ref.device))
 
 
 def waveform_stats(audio: AudioReader) -> tuple[float, float]:
