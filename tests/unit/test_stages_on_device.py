@@ -42,6 +42,9 @@ class Tone:
     def num_samples(self, rate: int) -> int:
         return len(self.x) * rate // self.rate
 
+    def wait(self, stop: int | None, rate: int, *, timeout_s: float | None = None) -> bool:
+        return True  # whole from the start, like AudioSource
+
     def read(self, start: int, stop: int, rate: int) -> np.ndarray:
         assert rate == self.rate
         out = np.zeros(stop - start, np.float32)
