@@ -75,8 +75,9 @@ class Stack:
         return str(resp.json()["id"])
 
     def connect(self, job_id: str, token: str = TOKEN_A) -> ClientConnection:
+        # entered by hand: the tests close it (or drop it) themselves, mid-function
         return connect(f"{self.ws_url}/v1/jobs/{job_id}/audio",
-                       additional_headers={"Authorization": f"Bearer {token}"}, open_timeout=10)
+                       additional_headers={"Authorization": f"Bearer {token}"}, open_timeout=10).__enter__()
 
     def job(self, job_id: str, token: str = TOKEN_A) -> dict[str, object]:
         resp = httpx.get(f"{self.url}/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {token}"})
@@ -104,15 +105,19 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(pg_template: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The API and two workers running the fake renderer (warmed by two plain jobs)."""
+    yield from _stack(pg_template, tmp_path_factory.mktemp("sessions"), app="app", names=("w1", "w2"))
+
+
+def _stack(pg_template: str, tmp: Path, *, app: str, names: tuple[str, ...]) -> Iterator[Stack]:
     from jobs_harness import PG_HOST, admin_engine
 
-    tmp = tmp_path_factory.mktemp("sessions")
     name = f"sessions_{uuid.uuid4().hex[:10]}"
     admin = admin_engine()
     with admin.connect() as c:
         c.execute(text(f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"'))
     db = f"{PG_HOST}/{name}"
-    metrics_ports = {"w1": free_port(), "w2": free_port()}
+    metrics_ports = {n: free_port() for n in names}
     env = make_env(tmp, db, REDIS_URL, session_max_ahead_s="2", session_max_lag_s="0.3",
                    session_message_max_bytes="65536", session_idle_max_s="30")
     from PIL import Image
@@ -120,14 +125,15 @@ def stack(pg_template: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     Image.new("RGB", (64, 64), (200, 120, 90)).save(tmp / "in" / "face.png")
     env["LONGTAKE_FAKE_LIVE_MEDIA"] = "1"
     settings = settings_from_env(env).model_copy(update={"api_tokens": {TOKEN_A: "tenant-a", TOKEN_B: "tenant-b"}})
-    workers = [CeleryWorker(n, {**env, "LONGTAKE_METRICS_PORT": str(port)}, tmp / f"{n}.log")
+    workers = [CeleryWorker(n, {**env, "LONGTAKE_METRICS_PORT": str(port)}, tmp / f"{n}.log", app=app)
                for n, port in metrics_ports.items()]
     for w in workers:
         w.start()
     engine = make_engine(db)
-    # warm both workers (their ranks start once, ~15 s on a loaded 2-core machine): two plain jobs
-    warm = JobsEnv(tmp=tmp, settings=settings, env=env, store=JobStore(engine))
-    warm.wait([warm.submit(seed=k, num_fragments=2, sleep_s=1.0) for k in (1, 2)], timeout=120)
+    if app == "app":
+        # warm both workers (their ranks start once, ~15 s on a loaded 2-core machine): two plain jobs
+        warm = JobsEnv(tmp=tmp, settings=settings, env=env, store=JobStore(engine))
+        warm.wait([warm.submit(seed=k, num_fragments=2, sleep_s=1.0) for k in (1, 2)], timeout=120)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(settings, engine=engine), host="127.0.0.1", port=port,
                                            log_level="warning"))
@@ -374,7 +380,7 @@ def test_second_sender_and_plain_jobs_are_refused(stack: Stack) -> None:
     assert code == 1008 and error["error"] == "sender_exists" and "new session" in str(error["message"]), error
     end_session(ws)
     assert stack.wait(job_id)["status"] == "succeeded"
-    unauth = connect(f"{stack.ws_url}/v1/jobs/{job_id}/audio", open_timeout=10)
+    unauth = connect(f"{stack.ws_url}/v1/jobs/{job_id}/audio", open_timeout=10).__enter__()
     error, code = close_reason(unauth)
     assert code == 1008 and error["error"] == "unauthorized", error
 
@@ -422,3 +428,36 @@ def test_preview_page_plays_a_live_session_while_it_renders(stack: Stack) -> Non
         fed.join()
     end_session(ws)
     assert stack.wait(job_id)["status"] == "succeeded"
+
+
+@pytest.fixture(scope="module")
+def real_stack(pg_template: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The API and one worker running the production app: the real pipeline on the embedded
+    defaults (tiny family), as ``longtake worker`` runs it."""
+    yield from _stack(pg_template, tmp_path_factory.mktemp("sessions-real"), app="real", names=("real",))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("latency", ["default", "low"])
+def test_a_session_on_the_real_pipeline(real_stack: Stack, latency: str) -> None:
+    """The real render follows the live directory: a burst, a gap longer than a chunk (tiny: 16
+    frames = 0.64 s), another burst. The job succeeds; the final MP4 (ffprobe) lasts the fed audio
+    plus the inserted silence within one frame; the segments are continuous from frame 0; every
+    published chunk reported its delay."""
+    job_id, ws = open_session(real_stack, latency=latency)
+    feed(ws, 1.2)
+    time.sleep(1.5)  # the sender is silent: the live clock inserts silence (max_lag_s = 0.3 here)
+    feed(ws, 1.2)
+    end_session(ws)
+    job = real_stack.wait(job_id, timeout=240)
+    session = job["session"]
+    assert job["status"] == "succeeded", job
+    assert session["end_reason"] == "closed" and session["audio_s"] == 2.4, session  # type: ignore[index]
+    silence, duration = float(session["silence_s"]), float(session["duration_s"])  # type: ignore[index]
+    assert 0.8 < silence < 1.6 and abs(duration - 2.4 - silence) < 1e-3, session
+    final = Path(str(job["outputs"]["mp4"]).removeprefix("file://"))  # type: ignore[index]
+    probed = subprocess.run(["ffprobe", "-v", "error", "-show_entries", "format=duration", "-of", "csv=p=0",
+                             str(final)], capture_output=True, text=True, check=True)
+    assert abs(float(probed.stdout) - duration) <= 1 / FPS + 1e-3, (probed.stdout, session)
+    check_timeline(real_stack, job_id, duration)
+    assert session["chunk_delay_max_s"] is not None and float(session["chunk_delay_max_s"]) > 0, session  # type: ignore[index]
