@@ -257,6 +257,9 @@ BAD_SUBMISSIONS = [
     ),
     pytest.param({"image": "http://example.com/a.png"}, 422, "image", "use s3://", id="bad-scheme"),
     pytest.param({"tenant": "tenant-b"}, 422, "tenant", "remove the field", id="tenant-in-spec"),
+    pytest.param({"audio": None}, 422, "audio", "or `session`", id="neither-audio-nor-session"),
+    pytest.param({"session": {"sample_rate": 16000}}, 422, "session", "give one of the two",
+                 id="both-audio-and-session"),
     pytest.param({"priority": 12}, 422, "priority", "less than or equal to 9", id="priority-range"),
 ]
 

@@ -64,6 +64,9 @@ def field_errors(exc: ValidationError, *, known_fields: Sequence[str]) -> list[d
         msg = str(err.get("msg", "invalid"))
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, ") :]  # the spec's own message already names field and fix
+            named = msg.split(":", 1)[0]
+            if field == "(body)" and named.split(".", 1)[0] in known_fields:
+                field = named  # a check across fields (e.g. audio or session) names its field first
         elif kind == "extra_forbidden":
             msg = f"unknown field {field!r}; remove it (allowed fields: {', '.join(known_fields)})"
         elif kind == "missing":
