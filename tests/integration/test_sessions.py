@@ -430,6 +430,47 @@ def test_preview_page_plays_a_live_session_while_it_renders(stack: Stack) -> Non
     assert stack.wait(job_id)["status"] == "succeeded"
 
 
+def test_cancel_ends_a_session_keeps_its_segments_and_tells_the_sender(stack: Stack) -> None:
+    job_id, ws = open_session(stack)
+    feed(ws, 1.0)
+    resp = httpx.post(f"{stack.url}/v1/jobs/{job_id}/cancel", headers={"Authorization": f"Bearer {TOKEN_A}"})
+    assert resp.status_code == 202, resp.text  # accepted: the worker stops the render between chunks
+    ended = expect(ws, "ended", timeout=20)
+    assert ended["status"] == "cancelled" and ended["end_reason"] == "cancelled", ended
+    job = stack.wait(job_id)
+    assert job["status"] == "cancelled" and job["session"]["end_reason"] == "cancelled", job  # type: ignore[index]
+    segs = stack.segments(job_id)
+    assert segs and [s[0] for s in segs] == list(range(len(segs))), segs  # what was rendered stays
+
+
+def test_a_session_whose_worker_dies_fails_as_session_lost_and_the_next_one_runs(stack: Stack) -> None:
+    """kill -9 of the worker rendering a session: its audio went to that worker, so the reaper
+    fails the job (``session_lost``, segments kept as partial outputs) instead of requeueing it;
+    a new session then runs on the other worker."""
+    job_id, ws = open_session(stack)
+    feed(ws, 1.0)
+    owner = stack.store.get(job_id).lease_owner  # type: ignore[union-attr]
+    victim = next(w for w in stack.workers if w.name == owner)
+    victim.kill9()
+    job = stack.wait(job_id, timeout=30)  # lease 3 s, reaper every 0.5 s on the survivor
+    assert job["status"] == "failed" and job["error_code"] == "session_lost", job
+    assert "not resumable" in str(job["error_message"]) and "new session" in str(job["error_message"]), job
+    assert stack.segments(job_id), "the segments rendered before the death stay"
+    try:
+        ws.send(tone(0.1))
+        ws.close()
+    except ConnectionClosed:
+        pass
+    again, ws2 = open_session(stack)
+    feed(ws2, 0.8)
+    end_session(ws2)
+    assert stack.wait(again)["status"] == "succeeded"
+    # the module's other tests expect two workers: a fresh one under the dead one's name
+    stack.workers.remove(victim)
+    fresh = CeleryWorker(victim.name, victim.env, victim.log_path.with_name(f"{victim.name}-2.log"), app=victim.app)
+    stack.workers.append(fresh.start())
+
+
 @pytest.fixture(scope="module")
 def real_stack(pg_template: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """The API and one worker running the production app: the real pipeline on the embedded
