@@ -5,7 +5,8 @@
 ``None`` per causal conv, and the frames seen) through it, so decoding emission by emission — also
 after a resume — equals decoding the whole latent sequence. Emission ``j`` decodes to the video frames
 ``ChunkPlan.video_frames``: ``1 + 4(L - 1)`` for the first, ``4L`` after (the causal first frame).
-The frames go to the publisher and are not kept.
+The cache bookkeeping and the hand-over of the frames are the framework's
+(:class:`~pipeline.decode_stage.CausalDecodeStage`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,8 @@ import torch
 from torch import Tensor
 
 from models.wan.vae import WanStreamingVAE, WanVAECache
+from pipeline.decode_stage import CausalDecodeStage
 from pipeline.families.wan import ports as P
-from pipeline.module import Module
-from pipeline.stage import Phase, Stage, Values
-from pipeline.stage_common import Timings
 
 _NONE, _REP, _TENSOR = 0, 1, 2
 
@@ -37,28 +36,11 @@ def cache_from_tensors(tensors: list[Tensor], vae: WanStreamingVAE) -> WanVAECac
     return WanVAECache(feat_map=feat, num_frames_in=int(header[0]))
 
 
-class WanDecodeStage(Stage):
-    name = "decode"
-    phase = Phase.EMISSION
-    inputs = (P.EMISSION_LATENTS, P.ROLLING)
-    outputs = (P.FRAMES,)
+class WanDecodeStage(CausalDecodeStage):
+    latents = P.EMISSION_LATENTS
 
-    def __init__(self, vae: Module, *, timings: Timings) -> None:
-        self.vae = vae
-        self.timings = timings
-
-    def modules(self) -> list[object]:
-        return [self.vae]
-
-    @torch.no_grad()
-    def run(self, values: Values) -> None:
-        z = values.get(P.EMISSION_LATENTS)
-        state = values.get(P.ROLLING)
-        vae = self.vae.get()
+    def decode(self, vae: torch.nn.Module, z: Tensor, cache: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
         assert isinstance(vae, WanStreamingVAE)
-        cache = cache_from_tensors(state.decoder_cache, vae)
-        with self.timings.model("vae.decode"):
-            rgb_BCTHW = vae.decode_chunk(z, cache)
-        state.decoder_cache = cache_to_tensors(cache)
-        frames = rgb_BCTHW[0].permute(1, 2, 3, 0).float().add(1.0).mul(127.5).round().clamp(0, 255)
-        values.put(P.FRAMES, frames.to(torch.uint8).cpu().numpy())
+        state = cache_from_tensors(cache, vae)
+        rgb_BCTHW = vae.decode_chunk(z, state)
+        return rgb_BCTHW, cache_to_tensors(state)
