@@ -424,6 +424,16 @@ def test_preview_page_plays_a_live_session_while_it_renders(stack: Stack) -> Non
         assert state == "live", detail
         segments = int(detail.split("rendering: ")[1].split()[0])
         assert segments >= 3 and stack.job(job_id)["status"] == "running", detail
+        # a viewer who joins later starts at the live edge (the link's edge=3), not at segment 0
+        time.sleep(3.0)
+        assert "&edge=3" in page
+        state, detail = page_state(page, stack.tmp / f"chrome-late-{job_id[:8]}")
+        assert state == "live", detail
+        joined = int(detail.split("joined live at segment ")[1].split(",")[0])
+        total = int(detail.split("rendering: ")[1].split()[0])
+        assert joined >= 1 and total - joined >= 3, detail
+        playing_at = float(detail.split("playing at ")[1].split()[0])
+        assert playing_at >= 0.9 * sum(s[3] for s in stack.segments(job_id)[:joined]), detail  # past segment 0
     finally:
         fed.join()
     end_session(ws)

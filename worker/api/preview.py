@@ -92,6 +92,8 @@ def job_preview(request: Request, job_id: str, deps: Annotated[Deps, Depends(get
     playlist = f"{request.url_for('preview_playlist', job_id=rec.id)}?{query}"
     # relative src: the page and the playlist share the job's directory on this API
     page = f"{request.url_for('preview_page', job_id=rec.id)}?src={quote(f'preview.m3u8?{query}', safe='')}"
+    if rec.spec.session is not None:
+        page += "&edge=3"  # a viewer joining a live session starts at its live edge, not at its start
     ready = deps.objects.exists(safe_key(job_prefix(rec.tenant, rec.id), PLAYLIST_NAME))
     return PreviewView(
         job_id=rec.id,
