@@ -385,6 +385,31 @@ def test_second_sender_and_plain_jobs_are_refused(stack: Stack) -> None:
     assert code == 1008 and error["error"] == "unauthorized", error
 
 
+def test_audio_connections_take_from_the_tokens_rate_bucket(stack: Stack) -> None:
+    """A WebSocket connection costs a token of the caller's bucket like any HTTP request: past the
+    burst it is refused with 1013 `rate_limited`, naming the header and when to connect again.
+    (An API of its own with a burst of 2, over the stack's database and broker.)"""
+    from starlette.testclient import TestClient
+    from starlette.websockets import WebSocketDisconnect
+
+    settings = stack.settings.model_copy(update={"api_rate_per_s": 0.01, "api_rate_burst": 2})
+    missing = f"/v1/jobs/{uuid.uuid4()}/audio"
+    auth = {"Authorization": f"Bearer {TOKEN_B}"}
+    with TestClient(create_app(settings)) as client:
+        replies = []
+        for _ in range(3):
+            with client.websocket_connect(missing, headers=auth) as ws:
+                msg = ws.receive_json()
+                while msg["type"] != "error":
+                    msg = ws.receive_json()
+                with pytest.raises(WebSocketDisconnect) as closed:
+                    ws.receive_json()
+                replies.append((msg["error"], closed.value.code))
+        assert replies[:2] == [("not_found", 1008)] * 2 and replies[2] == ("rate_limited", 1013), replies
+        assert client.get("/v1/jobs", headers=auth).status_code == 429  # the same bucket as HTTP
+    assert "connect again after" in str(msg["message"]) and msg["field"] == "Authorization", msg
+
+
 def test_longtake_live_streams_a_file_end_to_end(stack: Stack) -> None:
     """`longtake live --image PNG --audio-from WAV` in its own process: it prints the job and the
     preview URL, streams at real-time pace, ends the session at EOF and prints the outputs."""

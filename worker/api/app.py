@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from worker.api import health, jobs, preview, sessions, uploads
 from worker.api.auth import PreviewSigner, TokenAuth
 from worker.api.deps import RETRY_AFTER_S, ApiError, ApiMetrics, Deps
-from worker.api.gate import BodyTooLargeError, RequestGate
+from worker.api.gate import BodyTooLargeError, RequestGate, TokenBucket
 from worker.delivery.object_store import ObjectStore
 from worker.delivery.storage import open_object_store
 from worker.jobs.db import DbRetry, is_connection_error, make_engine
@@ -86,7 +86,9 @@ def create_app(
         "`Authorization: Bearer <token>`; each token belongs to one tenant, which sees only its own jobs.",
     )
     app.state.deps = deps
-    app.add_middleware(RequestGate, deps=deps)  # inside _count (added next): refusals are counted too
+    # one bucket per token for HTTP requests (the gate) and audio WebSocket connections (the route)
+    app.state.rate_bucket = bucket = TokenBucket(settings.api_rate_per_s, settings.api_rate_burst)
+    app.add_middleware(RequestGate, deps=deps, bucket=bucket)  # inside _count (added next): refusals are counted too
     _install_handlers(app, deps)
     _install_outage_handler(app)
     for router in (jobs.router, sessions.router, uploads.router, preview.router, health.router):

@@ -98,10 +98,10 @@ class TokenBucket:
 class RequestGate:
     """ASGI middleware: authentication, rate limit and body bound before any route reads the body."""
 
-    def __init__(self, app: ASGIApp, deps: Deps) -> None:
+    def __init__(self, app: ASGIApp, deps: Deps, bucket: TokenBucket | None = None) -> None:
         self.app = app
         self.deps = deps
-        self.bucket = TokenBucket(deps.settings.api_rate_per_s, deps.settings.api_rate_burst)
+        self.bucket = bucket or TokenBucket(deps.settings.api_rate_per_s, deps.settings.api_rate_burst)
 
     def body_limit(self, path: str) -> int:
         s = self.deps.settings

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +41,7 @@ from starlette.websockets import WebSocketState
 
 from worker.api.auth import AuthError
 from worker.api.deps import API_PREFIX, JOB_ID_RE, Deps
+from worker.api.gate import TokenBucket
 from worker.client import TERMINAL_STATUSES
 from worker.jobs.records import JobRecord
 from worker.jobs.session_relay import SessionRelay
@@ -171,7 +173,7 @@ class _Connection:
             tokens = [p[len(BEARER_SUBPROTOCOL) :] for p in self.offered if p.startswith(BEARER_SUBPROTOCOL)]
             auth = f"Bearer {tokens[0]}" if tokens else None
         try:
-            return self.deps.auth.tenant_for(auth)
+            tenant = self.deps.auth.tenant_for(auth)
         except AuthError as exc:
             raise _Refused(
                 CLOSE_POLICY, "unauthorized", "Authorization",
@@ -179,6 +181,17 @@ class _Connection:
                 f"subprotocols '{SUBPROTOCOL}' and 'bearer.<token>')",
                 relay_end=False,
             ) from exc
+        # a connection costs one token of the caller's bucket, like any request (worker/api/gate.py)
+        wait = cast(TokenBucket, self.ws.app.state.rate_bucket).take(str(auth).split()[-1])
+        if wait > 0:
+            s = self.deps.settings
+            raise _Refused(
+                CLOSE_TRY_LATER, "rate_limited", "Authorization",
+                f"Authorization: over {s.api_rate_per_s:g} requests/s (burst {s.api_rate_burst}) for your "
+                f"token on this API process; connect again after {max(1, math.ceil(wait))} s",
+                relay_end=False,
+            )
+        return tenant
 
     async def _open(self) -> JobRecord:
         tenant = self._tenant()
