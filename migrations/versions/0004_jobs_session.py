@@ -16,8 +16,9 @@ branch_labels = None
 depends_on = None
 
 
-# A copy of the view as of this revision (unchanged by it): SQLite's batch mode rebuilds ``jobs``,
-# which a view that names it would block, so the downgrade drops and recreates it around the rebuild.
+# A copy of the view before this revision, and the view after it (one column added: the session's
+# report). SQLite's batch mode rebuilds ``jobs``, which a view that names it would block, so the
+# view is dropped and recreated around each change.
 VIEW_SQL = """
 CREATE VIEW longtake_jobs_v AS
 SELECT
@@ -46,6 +47,11 @@ SELECT
 FROM jobs j
 """
 
+VIEW_SQL_0004 = VIEW_SQL.replace(
+    "AS progress_at\n", "AS progress_at,\n    j.session_state AS session\n"
+)
+assert "AS session" in VIEW_SQL_0004
+
 
 def upgrade() -> None:
     # existing rows are jobs with an audio file: NULL in both
@@ -53,7 +59,7 @@ def upgrade() -> None:
     with op.batch_alter_table('jobs') as batch:
         batch.add_column(sa.Column('session_state', sa.JSON(), nullable=True))
         batch.add_column(sa.Column('audio_opened_at', sa.DateTime(timezone=True), nullable=True))
-    op.execute(VIEW_SQL)
+    op.execute(VIEW_SQL_0004)
 
 
 def downgrade() -> None:

@@ -250,6 +250,10 @@ def test_session_happy_path_playlist_grows_and_final_mp4(stack: Stack) -> None:
               for ln in httpx.get(f"http://127.0.0.1:{port}/metrics").text.splitlines()
               if ln.startswith("longtake_live_chunk_delay_seconds_count")]
     assert len(counts) == 2 and sum(counts) >= 8, counts  # one per published chunk
+    with stack.store.engine.connect() as c:  # users polling SQL see the same report in the view
+        viewed = c.execute(text("SELECT session FROM longtake_jobs_v WHERE job_id = :id"), {"id": job_id}).scalar()
+    viewed = json.loads(viewed) if isinstance(viewed, str) else viewed
+    assert viewed["end_reason"] == "closed" and viewed["audio_s"] == 3.2, viewed
 
 
 def test_bursty_feed_inserts_silence_without_stalling(stack: Stack) -> None:

@@ -155,6 +155,7 @@ SELECT
     j.finished_at AS finished_at,
     j.updated_at AS updated_at,
     (SELECT count(*) FROM segments s WHERE s.job_id = j.id) AS segments_committed,
-    j.progress_at AS progress_at
+    j.progress_at AS progress_at,
+    j.session_state AS session
 FROM jobs j
 """
