@@ -33,6 +33,7 @@ SUBCOMMANDS = [
     "fetch",
     "cancel",
     "preview",
+    "live",
     "worker",
     "api",
     "migrate",
@@ -60,7 +61,7 @@ def test_every_subcommand_has_help(command: str, capsys: pytest.CaptureFixture[s
 
 
 def test_client_commands_take_api_and_token(capsys: pytest.CaptureFixture[str]) -> None:
-    for command in ["submit", "status", "wait", "fetch", "cancel", "preview"]:
+    for command in ["submit", "status", "wait", "fetch", "cancel", "preview", "live"]:
         with pytest.raises(SystemExit):
             cli.main([command, "--help"])
         out = capsys.readouterr().out

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from worker.spec import SESSION_SAMPLE_RATES
+from worker.spec import SESSION_IDLE_DEFAULT_S, SESSION_SAMPLE_RATES
 
 STEP_S = 0.1
 
@@ -40,8 +40,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
     p.add_argument("--rate", type=int, help="stdin is raw s16le PCM at this sample rate (Hz)")
     p.add_argument("--channels", type=int, default=1, help="channels of raw stdin PCM (1 or 2)")
     p.add_argument("--latency", choices=["default", "low"], default="default",
-                   help="default: N+I chunks (smoother); low: N chunks only (less delay)")
-    p.add_argument("--idle-timeout", type=float, metavar="SECONDS", help="end the session after this long without audio")
+                   help="default: N+I chunks (smoother); low: N chunks only (less compute per chunk; "
+                   "the same audio look-ahead, docs/live.md) (default: default)")
+    p.add_argument("--idle-timeout", type=float, metavar="SECONDS",
+                   help="end the session after this long without audio "
+                   f"(default: {SESSION_IDLE_DEFAULT_S:g} s, capped by the server)")
     p.add_argument("--seed", type=int, help="seed (>= 0)")
     p.add_argument("--preset", help="model preset (default: the server's)")
     p.add_argument("--text", help="text/scene prompt")
