@@ -180,8 +180,7 @@ class Pipeline:
                 step = released.step
                 if should_cancel is not None and should_cancel():
                     raise CancelledError(f"render cancelled before step {step.name}")
-                if live:
-                    values.put(P.PLAN, released.plan)  # the plan the step was taken from
+                values.put(P.PLAN, released.plan)  # the plan the step was taken from (live: it grows)
                 values.put(P.STEP, step)
                 for stage in self.step_stages:
                     with self.timings.stage(stage.name):

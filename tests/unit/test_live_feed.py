@@ -47,7 +47,8 @@ def test_a_directory_holds_one_feed_and_close_takes_known_reasons(tmp_path: Path
         LiveAudioWriter(tmp_path, LiveMeta(24000, 1))
     with pytest.raises(ValueError, match="reason"):
         w.close("because")
-    assert "disconnected" in END_REASONS
+    assert w.ended is None, "a refused reason does not end the feed"
+    assert all(w.close(r).reason == "closed" for r in ("closed", *END_REASONS))  # the first close wins
 
 
 def test_the_live_clock_inserts_silence_when_the_sender_is_late_and_bounds_the_lead(tmp_path: Path) -> None:

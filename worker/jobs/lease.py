@@ -72,8 +72,8 @@ class LeaseKeeper(threading.Thread):
         self._silent_until = self.last_alive + grace_s + self.stall_s
 
     def report(self, progress: Progress) -> None:
-        """Called per chunk: record it now rather than at the next heartbeat."""
-        self.alive()
+        """Called per chunk: record it now rather than at the next heartbeat (the render's signs of
+        life come through :meth:`alive`, which ``NodeExecutor.run`` calls on every event)."""
         self.progress = progress
         self._wake.set()
 
