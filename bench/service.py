@@ -19,8 +19,10 @@ production Celery app: real pipeline, tiny preset, one CPU rank each). Three pha
 
 ``--load-only`` stops after phase 1: the shape of the long-job check (``--jobs 1 --seconds 7200
 --workers 1 --load-only``: a 2-hour job through the service), which also samples the resident
-memory of each worker's process tree (worker + its rank) every 10 s and reports it by quarter of
-the job's progress — flat memory over hours, as users run it.
+memory of each worker's process tree every 10 s — the worker process and its rank apart, each as
+resident and anonymous bytes (``/proc/<pid>/smaps_rollup``) — and reports it by quarter of the
+job's progress with a slope per part: flat memory over hours, as users run it, and if not, which
+process holds what grows. ``--samples FILE`` writes each sample as it is taken.
 
 Prints one JSON object. Settings that shorten the lease (``--lease-s``) are printed with it: the
 death-to-resume figure is ``lease_s + reaper_interval_s`` plus one chunk, by design.
@@ -116,8 +118,22 @@ def _duration(path: Path) -> float:
     return float(out.stdout.strip())
 
 
-def _tree_rss(pid: int) -> int:
-    """Resident bytes of ``pid`` and its descendants (from /proc; 0 when gone)."""
+def _rollup(pid: int) -> tuple[int, int]:
+    """(resident, anonymous) bytes of one process (``/proc/<pid>/smaps_rollup``; zeros when gone)."""
+    rss = anon = 0
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Rss:"):
+                rss = int(line.split()[1]) * 1024
+            elif line.startswith("Anonymous:"):
+                anon = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return rss, anon
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (from /proc), ``pid`` first."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -126,17 +142,38 @@ def _tree_rss(pid: int) -> int:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(entry.name))
-    total, todo = 0, [pid]
+    out, todo = [], [pid]
     while todo:
         p = todo.pop()
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-        except OSError:
-            pass
+        out.append(p)
         todo.extend(children.get(p, []))
-    return total
+    return out
+
+
+def _tree_memory(pid: int) -> dict[str, int]:
+    """Resident memory of a worker's tree, split: the worker process itself and its descendants
+    (the rank and whatever the rank runs), each as resident and anonymous bytes."""
+    pids = _tree(pid)
+    worker_rss, worker_anon = _rollup(pids[0])
+    ranks = [_rollup(p) for p in pids[1:]]
+    rank_rss, rank_anon = sum(r for r, _ in ranks), sum(a for _, a in ranks)
+    return {"rss": worker_rss + rank_rss, "worker_rss": worker_rss, "worker_anon": worker_anon,
+            "rank_rss": rank_rss, "rank_anon": rank_anon}
+
+
+def _tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and its descendants (0 when gone)."""
+    return _tree_memory(pid)["rss"]
+
+
+def _slope_mb_per_10_min(points: list[tuple[float, int]]) -> float | None:
+    """Least-squares slope of (seconds, bytes) points, in MB per 10 minutes."""
+    if len(points) < 3:
+        return None
+    mt = sum(t for t, _ in points) / len(points)
+    mm = sum(m for _, m in points) / len(points)
+    var = sum((t - mt) ** 2 for t, _ in points)
+    return round(sum((t - mt) * (m - mm) for t, m in points) / var * 600 / 2**20, 3) if var else None
 
 
 def _segment_mtimes(root: Path) -> dict[str, int]:
@@ -144,7 +181,8 @@ def _segment_mtimes(root: Path) -> dict[str, int]:
 
 
 def run(
-    jobs: int, seconds: float, kills: int, workers: int, lease_s: float, load_only: bool = False
+    jobs: int, seconds: float, kills: int, workers: int, lease_s: float, load_only: bool = False,
+    samples_path: Path | None = None,
 ) -> dict[str, Any]:
     from sqlalchemy import create_engine, text
 
@@ -188,7 +226,9 @@ def run(
         enqueue_render(celery, rec.id, queue=queue)
         return rec.id
 
-    samples: list[tuple[float, float, int]] = []  # (elapsed s, fraction of frames done, tree RSS)
+    # (elapsed s, fraction of frames done, memory of the workers' trees: see _tree_memory)
+    samples: list[tuple[float, float, dict[str, int]]] = []
+    samples_file = samples_path.open("a") if samples_path else None
 
     def wait(ids: list[str], timeout: float) -> list[Any]:
         deadline = time.monotonic() + timeout
@@ -198,8 +238,17 @@ def run(
             if all(r is not None and r.status in ("succeeded", "failed", "cancelled") for r in recs):
                 return recs
             if load_only and time.monotonic() >= next_sample:
-                done = sum(r.frames_done for r in recs if r) / max(1, sum(r.num_frames or 0 for r in recs if r))
-                samples.append((time.monotonic() - t0, done, sum(_tree_rss(w.proc.pid) for w in pool)))
+                total = sum(r.num_frames or 0 for r in recs if r)  # 0 until the worker has planned
+                done = sum(r.frames_done for r in recs if r) / total if total else 0.0
+                mem: dict[str, int] = {}
+                for w in pool:
+                    for k, v in _tree_memory(w.proc.pid).items():
+                        mem[k] = mem.get(k, 0) + v
+                samples.append((time.monotonic() - t0, done, mem))
+                if samples_file:  # as it goes: a run cut short still leaves its curve
+                    samples_file.write(json.dumps({"t": round(samples[-1][0], 1), "done": round(done, 5),
+                                                   **{k: round(v / 2**20, 2) for k, v in mem.items()}}) + "\n")
+                    samples_file.flush()
                 next_sample = time.monotonic() + 10.0
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not done after {timeout} s: {[(r.id[:8], r.status, r.chunks_done) for r in recs if r]}")
@@ -232,20 +281,21 @@ def run(
         if load_only:
             quarters = []
             for q in range(4):
-                rss = [m for _, f, m in samples if q / 4 <= f < (q + 1) / 4 and m > 0]
+                rss = [m["rss"] for _, f, m in samples if q / 4 <= f < (q + 1) / 4 and m["rss"] > 0]
                 quarters.append(round(max(rss) / 2**20, 1) if rss else None)
-            # least-squares slope of the RSS after the first tenth of the job (the warm-up)
-            late = [(t, m) for t, f, m in samples if f >= 0.1 and m > 0]
-            slope = None
-            if len(late) >= 3:
-                mt = sum(t for t, _ in late) / len(late)
-                mm = sum(m for _, m in late) / len(late)
-                var = sum((t - mt) ** 2 for t, _ in late)
-                slope = sum((t - mt) * (m - mm) for t, m in late) / var if var else None
+            # least-squares slopes after the first tenth of the job (the warm-up), for the tree and
+            # for each part of it: which process holds what grows, and whether it is heap (anonymous)
+            late = [(t, m) for t, f, m in samples if f >= 0.1 and m["rss"] > 0]
+            parts = ("rss", "worker_rss", "worker_anon", "rank_rss", "rank_anon")
             report["memory"] = {
                 "samples": len(samples),
-                "rss_mb_per_minute": [round(m / 2**20, 1) for t, _, m in samples if int(t) % 60 < 10],
-                "slope_mb_per_10_min": round(slope * 600 / 2**20, 3) if slope is not None else None,
+                "rss_mb_per_minute": [round(m["rss"] / 2**20, 1) for t, _, m in samples if int(t) % 60 < 10],
+                "slope_mb_per_10_min": _slope_mb_per_10_min([(t, m["rss"]) for t, m in late]),
+                "slope_mb_per_10_min_by_part": {
+                    k: _slope_mb_per_10_min([(t, m[k]) for t, m in late]) for k in parts},
+                "mean_mb_by_half_by_part": {
+                    k: [round(sum(m[k] for _, m in h) / len(h) / 2**20, 1) if h else None
+                        for h in (late[: len(late) // 2], late[len(late) // 2:])] for k in parts},
                 "peak_rss_mb_by_quarter": quarters,
                 # the first quarter holds the warm-up (models loaded, encoder primed): compare after it
                 "last_over_second_quarter": round(quarters[3] / quarters[1], 4)
@@ -307,6 +357,8 @@ def run(
     finally:
         for w in pool:
             w.stop()
+        if samples_file:
+            samples_file.close()
         engine.dispose()
         with admin.connect() as c:
             c.execute(text(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)'))
@@ -323,9 +375,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lease-s", type=float, default=10.0, help="LONGTAKE_LEASE_S of the workers")
     p.add_argument("--load-only", action="store_true",
                    help="phase 1 only, with worker memory by quarter of progress (the 2-hour job check)")
+    p.add_argument("--samples", type=Path, help="--load-only: append each memory sample to this file as "
+                   "a JSON line while the job runs (MB per part; a run cut short still leaves its curve)")
     p.add_argument("--json", action="store_true", help="one JSON object (default: indented)")
     a = p.parse_args(argv)
-    report = run(a.jobs, a.seconds, a.kills, a.workers, a.lease_s, load_only=a.load_only)
+    report = run(a.jobs, a.seconds, a.kills, a.workers, a.lease_s, load_only=a.load_only,
+                 samples_path=a.samples)
     print(json.dumps(report) if a.json else json.dumps(report, indent=2))
     ok = report["load"]["first_attempt"] == a.jobs
     if not a.load_only:

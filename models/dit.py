@@ -65,11 +65,14 @@ class A2VBlock(nn.Module):
         ctx_BMD: Tensor,
         ctx_mask_BM: Tensor | None,
         audio_BTAK: Tensor,
+        windows: tuple[int, ...] | None = None,
     ) -> Tensor:
         B, T, N, D = x_BTND.shape
         shift1, scale1, gate1, shift2, scale2, gate2 = (mod_BT6D + self.modulation).unsqueeze(3).unbind(2)
         h = self.norm1(x_BTND) * (1 + scale1) + shift1
-        x_BTND = x_BTND + gate1 * self.self_attn(h.reshape(B, T * N, D), rope=rope).reshape(B, T, N, D)
+        segments = None if windows is None else tuple(t * N for t in windows)
+        x_BTND = x_BTND + gate1 * self.self_attn(h.reshape(B, T * N, D), rope=rope,
+                                                 segments=segments).reshape(B, T, N, D)
         h = self.ctx_attn(self.norm_ctx(x_BTND).reshape(B, T * N, D), ctx_BMD, mask_BM=ctx_mask_BM)
         x_BTND = x_BTND + h.reshape(B, T, N, D)
         h = self.audio_attn(self.norm_audio(x_BTND).reshape(B * T, N, D), audio_BTAK.flatten(0, 1))
@@ -140,10 +143,18 @@ class A2VDiT(nn.Module):
         text_mask_BN: Tensor | None = None,
         *,
         context: tuple[Tensor, Tensor | None] | None = None,
+        windows: tuple[int, ...] | None = None,
     ) -> Tensor:
-        """Velocity ``v_BCThw`` for the window ``x_BCThw`` (clean at known frames) at time ``t_B``."""
+        """Velocity ``v_BCThw`` for the window ``x_BCThw`` (clean at known frames) at time ``t_B``.
+
+        ``windows``: the frame counts of several independent windows packed along T (the pipeline's
+        batched steps, e.g. ``I_{k-1}`` with ``N_{k+1}``): each window's frames attend only to each
+        other and take their rotary positions from their own start, so every window's velocity is
+        what it would be alone; the per-token layers run once over all of them."""
         cfg, p = self.cfg, self.cfg.patch_size
         B, C, T, h, w = x_BCThw.shape
+        if windows is not None and (sum(windows) != T or min(windows, default=0) < 1):
+            raise ValueError(f"windows {windows} must be positive frame counts summing to T = {T}")
         if known_BT.shape != (B, T) or frame_index_BT.shape != (B, T):
             raise ValueError(
                 f"known_BT {tuple(known_BT.shape)} / frame_index_BT {tuple(frame_index_BT.shape)} "
@@ -169,7 +180,11 @@ class A2VDiT(nn.Module):
         mod = self.time_proj(e_BTD).unflatten(-1, (6, cfg.dim))
 
         # relative frame positions: subtract the window start so only offsets reach RoPE
-        rel = (frame_index_BT - frame_index_BT.min(dim=1, keepdim=True).values).to(torch.float32)
+        if windows is None or len(windows) == 1:
+            rel = (frame_index_BT - frame_index_BT.min(dim=1, keepdim=True).values).to(torch.float32)
+        else:
+            rel = torch.cat([f - f.min(dim=1, keepdim=True).values for f in frame_index_BT.split(windows, dim=1)],
+                            dim=1).to(torch.float32)
         grid = grid_positions(gh, gw, x.device)
         pos = torch.cat(
             [rel[:, :, None, None].expand(B, T, n, 1), grid[None, None].expand(B, T, n, 2)], dim=-1
@@ -182,7 +197,7 @@ class A2VDiT(nn.Module):
         audio = self.audio_proj(audio_BTD).unflatten(-1, (cfg.audio_tokens, cfg.audio_token_dim))
 
         for block in self.blocks:
-            x = block(x, mod, rope, ctx, ctx_mask, audio)
+            x = block(x, mod, rope, ctx, ctx_mask, audio, windows)
 
         shift, scale = (e_BTD[:, :, None] + self.head_modulation).unsqueeze(3).unbind(2)
         out = self.head(self.norm_out(x) * (1 + scale) + shift)  # (B, T, n, C p p)

@@ -87,7 +87,10 @@ class Attention(nn.Module):
         context_BMD: Tensor | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
         mask_BM: Tensor | None = None,
+        segments: tuple[int, ...] | None = None,
     ) -> Tensor:
+        """``segments`` (self-attention): the token counts of independent sequences packed along N;
+        each attends only to itself, exactly as if run alone (the projections run over all at once)."""
         if self.is_cross:
             if context_BMD is None:
                 raise ValueError("cross-attention needs context_BMD")
@@ -103,7 +106,13 @@ class Attention(nn.Module):
             q = apply_rope(q, *rope)
             k = apply_rope(k, *rope)
         attn_mask = None if mask_BM is None else mask_BM[:, None, None, :]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        if segments is not None and len(segments) > 1:
+            if self.is_cross or attn_mask is not None:
+                raise ValueError("segments are for self-attention without a key mask")
+            out = torch.cat([F.scaled_dot_product_attention(qs, ks, vs) for qs, ks, vs in zip(
+                q.split(segments, dim=2), k.split(segments, dim=2), v.split(segments, dim=2), strict=True)], dim=2)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
         return self.o(out.transpose(1, 2).flatten(-2))
 
 

@@ -69,6 +69,10 @@ class FamilyRuntime:
         # modules: sharded forwards issue collectives that every rank must run in the same order, and
         # on_use parks models as each stage takes its turn
         self.overlap_emissions = family.overlap_emissions and loaded is None and on_use is None
+        # I_{k-1} and N_{k+1} share their A2V forwards when the family's A2V is a BatchedStage
+        # (Pipeline.run(batch_steps=)); the same frames either way. False: one forward per step, the
+        # sequential loop (bench.stream --no-batch-steps measures the two side by side)
+        self.batch_steps = True
         self.timings = Timings()
         self.pipeline = Pipeline(family.stages(preset, self.modules, self.timings), timings=self.timings)
 

@@ -6,6 +6,10 @@ a timeline range final, the emission stages (SR, decode) run on it and the frame
 (at the video frames of the range, ``ChunkPlan.video_frames``: a family whose latents span several
 video frames decodes more frames per timeline frame).
 
+With ``batch_steps`` an I step and the N step after it run as one group (their inputs do not depend
+on each other: ``pipeline.schedule.can_share_forward``): the family's :class:`~pipeline.stage.BatchedStage`
+(the A2V) samples both windows in one forward per sampler step; the frames are the same.
+
 Streaming and batch modes run the same stages on the same steps. Batch mode is the conventional
 design we measure against: it keeps every emission's latents until the plan is done, then runs SR and
 decode over the whole sequence, then encodes — and must give the same frames.
@@ -27,9 +31,9 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -41,8 +45,8 @@ from pipeline.lane import Lane
 from pipeline.live_run import LiveSchedule
 from pipeline.publish import Publisher
 from pipeline.request import RenderProgress
-from pipeline.schedule import ChunkKind, ChunkPlan, ChunkStep, Emission, ReleasedStep
-from pipeline.stage import Phase, Port, Scope, Stage, Values
+from pipeline.schedule import ChunkKind, ChunkPlan, ChunkStep, Emission, ReleasedStep, can_share_forward
+from pipeline.stage import BatchedStage, Phase, Port, Scope, Stage, Values
 from pipeline.stage_common import Timings
 from pipeline.state import RollingState
 
@@ -55,7 +59,7 @@ Mode = Literal["streaming", "batch"]
 class _EmissionWork:
     released: ReleasedStep  # the step that made the emission final
     latents: torch.Tensor  # low-res latents_BCThw of the emission
-    state: RollingState  # the rolling state as of the step that made the emission final
+    state: RollingState  # the rolling state after the step (or group of steps) that made the emission final
     snapshot: bool  # make the resume snapshot (not for the last emission, nor for a live session)
 
     @property
@@ -74,6 +78,11 @@ class Pipeline:
         self.ports = self._validate(provided)
         self.step_stages = [s for s in self.stages if s.phase is Phase.STEP]
         self.emission_stages = [s for s in self.stages if s.phase is Phase.EMISSION]
+        batched = [s for s in self.step_stages if isinstance(s, BatchedStage)]
+        if len(batched) > 1:
+            raise PipelineBuildError(f"stages {[s.name for s in batched]} are all batched step stages: a "
+                                     "pipeline batches its steps through one stage (the A2V)")
+        self.batched_stage: BatchedStage | None = batched[0] if batched else None
 
     def _validate(self, provided: Sequence[Port[object]]) -> dict[str, Port[object]]:
         ports: dict[str, Port[object]] = {p.name: p for p in provided}
@@ -116,9 +125,18 @@ class Pipeline:
         should_cancel: Callable[[], bool] | None = None,
         on_chunk: Callable[[RenderProgress], None] | None = None,
         overlap_emissions: bool = False,
+        batch_steps: bool = False,
     ) -> None:
         """Run ``plan`` from ``state.next_step`` on. ``on_chunk`` is called on this thread, in order,
         once per published emission (streaming) or once at the end (batch).
+
+        With ``batch_steps`` (and a :class:`~pipeline.stage.BatchedStage` among the step stages) an
+        I step and the N step after it (``can_share_forward``) run as one group: the step stages
+        before the batched one run per step, the batched stage once over both, the rest per step;
+        then the state advances step by step, in plan order. Each step's latents are those of the
+        sequential loop. A group's emission is published with the state after the whole group (its
+        resume snapshot restarts at the next group). Not for a live schedule: taking the N step with
+        the I step would hold the I chunk's emission until the next chunk's audio has arrived.
 
         A :class:`~pipeline.live_run.LiveSchedule` (streaming only, from the start) releases its steps
         as the audio arrives; each emission's progress then carries ``audio_delay_s`` (its fragment's
@@ -176,29 +194,34 @@ class Pipeline:
         try:
             if lane is not None:
                 lane.start()
-            for released in itertools.chain([first] if first is not None else [], steps):
-                step = released.step
+            released_steps = itertools.chain([first] if first is not None else [], steps)
+            batching = batch_steps and not live and self.batched_stage is not None
+            for group in _groups(released_steps, batching):
                 if should_cancel is not None and should_cancel():
-                    raise CancelledError(f"render cancelled before step {step.name}")
-                values.put(P.PLAN, released.plan)  # the plan the step was taken from (live: it grows)
-                values.put(P.STEP, step)
-                for stage in self.step_stages:
-                    with self.timings.stage(stage.name):
-                        stage.run(values)
-                latents = _advance(state, step, values.get(P.STEP_LATENTS))
-                state.next_step = released.index + 1
-                values.end_chunk()
-                last = released
-                if step.emission is not None and latents is not None:
+                    raise CancelledError(f"render cancelled before step {group[0].step.name}")
+                outputs = self._run_steps(values, group)
+                works: list[_EmissionWork] = []
+                emitted: list[tuple[ReleasedStep, torch.Tensor]] = []
+                for released, step_latents in zip(group, outputs, strict=True):
+                    latents = _advance(state, released.step, step_latents)
+                    state.next_step = released.index + 1
+                    if released.step.emission is not None and latents is not None:
+                        emitted.append((released, latents))
+                last = group[-1]
+                for j, (released, latents) in enumerate(emitted):
                     if mode == "batch":
                         held.append(latents)
+                    else:  # the state after the group: a snapshot resumes at the next group
+                        works.append(_EmissionWork(released, latents, dataclasses.replace(state),
+                                                   snapshot=not live and not released.is_last_emission
+                                                   and j == len(emitted) - 1))
+                del outputs, emitted
+                for work in works:
+                    if lane is not None:
+                        lane.submit(work)
                     else:
-                        work = _EmissionWork(released, latents, dataclasses.replace(state),
-                                             snapshot=not live and not released.is_last_emission)
-                        if lane is not None:
-                            lane.submit(work)
-                        else:
-                            emit(values, work)
+                        emit(values, work)
+                del works
                 report()
             if lane is not None:
                 lane.finish(ok=True)  # every emission published (raises the lane's error, if any)
@@ -218,6 +241,42 @@ class Pipeline:
                 with contextlib.suppress(Exception):
                     lane.finish(ok=False)
             publisher.finish(ok=ok)
+
+    def _run_steps(self, values: Values, group: list[ReleasedStep]) -> list[torch.Tensor]:
+        """The step stages over a group of steps (one step, or steps that ``can_share_forward``):
+        each step's ``STEP_LATENTS``, in order. A group of one runs every stage's ``run``."""
+        if len(group) == 1:
+            released = group[0]
+            values.put(P.PLAN, released.plan)  # the plan the step was taken from (live: it grows)
+            values.put(P.STEP, released.step)
+            for stage in self.step_stages:
+                with self.timings.stage(stage.name):
+                    stage.run(values)
+            latents = values.get(P.STEP_LATENTS)
+            values.end_chunk()
+            return [latents]
+        batched = self.batched_stage
+        assert batched is not None
+        at = self.step_stages.index(batched)
+        step_values = [values.fork() for _ in group]  # the job values, and chunk values per step
+        prepared: list[Any] = []
+        for released, vals in zip(group, step_values, strict=True):
+            vals.put(P.PLAN, released.plan)
+            vals.put(P.STEP, released.step)
+            for stage in self.step_stages[:at]:
+                with self.timings.stage(stage.name):
+                    stage.run(vals)
+            prepared.append(batched.prepare(vals))
+        with self.timings.stage(batched.name):
+            outputs = batched.run_batch(prepared)
+        del prepared
+        for vals, out in zip(step_values, outputs, strict=True):
+            for port, value in out.items():
+                vals.put(port, value)
+            for stage in self.step_stages[at + 1:]:
+                with self.timings.stage(stage.name):
+                    stage.run(vals)
+        return [vals.get(P.STEP_LATENTS) for vals in step_values]
 
     def _run_emission_stages(self, values: Values, emission: Emission, latents: torch.Tensor) -> np.ndarray:
         values.put(P.EMISSION, emission)
@@ -257,6 +316,22 @@ class Pipeline:
             publisher.publish(frames[r.start - v0 : r.stop - v0], first_frame=r.start, index=j,
                               is_last=j == plan.num_emissions - 1, resume_state=None)
         state.next_emission = plan.num_emissions
+
+
+def _groups(released: Iterator[ReleasedStep], batching: bool) -> Iterator[list[ReleasedStep]]:
+    """The released steps in order, grouped: with ``batching`` a step takes the one after it when
+    they ``can_share_forward`` (an I step and the next N step); otherwise each step runs alone, and
+    the next one is taken only once the current one is done (a live schedule's next step waits for
+    its audio)."""
+    current = next(released, None)
+    while current is not None:
+        following = next(released, None) if batching else None
+        if following is not None and can_share_forward(current.step, following.step):
+            yield [current, following]
+            current = next(released, None)
+        else:
+            yield [current]
+            current = following if batching else next(released, None)
 
 
 def _advance(state: RollingState, step: ChunkStep, step_latents: torch.Tensor) -> torch.Tensor | None:

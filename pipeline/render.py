@@ -120,7 +120,7 @@ def render(
             job_values={P.REFERENCE_RGB: reference, P.AUDIO: audio, P.TEXT: request.text, P.SEED: request.seed,
                         P.OPTIONS: options},
             plan=plan, state=state, publisher=publisher, mode=mode, should_cancel=should_cancel,
-            on_chunk=on_progress, overlap_emissions=family.overlap_emissions,
+            on_chunk=on_progress, overlap_emissions=family.overlap_emissions, batch_steps=family.batch_steps,
         )
     return _result(family, publisher, plan.total_video_frames, t0)
 

@@ -135,6 +135,14 @@ class ChunkStep:
         return [t in known for t in self.window]
 
 
+def can_share_forward(first: ChunkStep, second: ChunkStep) -> bool:
+    """Whether ``second`` (run right after ``first``) reads nothing ``first`` writes, so both can be
+    sampled in one batch: only N chunks write the rolling state later steps read (the last N chunk,
+    its last frame), an I chunk's output is only published. So an I chunk and the N chunk after it
+    — ``I_{k-1}`` and ``N_{k+1}``, both anchored on ``N_k`` and earlier (DESIGN §3) — qualify."""
+    return first.kind is ChunkKind.I and second.kind is ChunkKind.N
+
+
 @dataclass(frozen=True)
 class ReleasedStep:
     """A step ready to run, with what the chunk loop needs to publish its emission.

@@ -11,14 +11,20 @@ a value of the wrong type or keep a chunk value past its chunk.
 Who calls what: the pipeline calls ``setup(values)`` once per request, then ``run(step, values)`` for
 every step (``ChunkStep``) or emission the stage is registered for. Stages must not keep references to
 chunk-scoped tensors in ``self``; everything that crosses chunks lives in ``RollingState``.
+
+A :class:`BatchedStage` (the A2V of a family whose DiT can pack windows) runs its work in two halves,
+``prepare`` per step and ``run_batch`` over several prepared steps, so the pipeline can sample steps
+that do not depend on each other (``I_{k-1}`` and ``N_{k+1}``: ``pipeline.schedule.can_share_forward``)
+in one forward per sampler step; ``run`` is the batch of one.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import ClassVar, Generic, TypeVar, cast
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 from pipeline.errors import PipelineBuildError
 
@@ -110,3 +116,31 @@ class Stage(ABC):
     def modules(self) -> list[object]:
         """The :class:`~pipeline.module.Module`\\ s this stage runs (for placement and warm-up)."""
         return []
+
+
+class BatchedStage(Stage):
+    """A step stage that can run several independent steps at once (DESIGN §3: ``I_{k-1}`` and
+    ``N_{k+1}`` both depend only on ``N_k`` and earlier, so they can share their forwards).
+
+    :meth:`prepare` reads one step's inputs from its values (everything the step needs, so that the
+    values of several steps can be gathered before anything runs); :meth:`run_batch` runs the
+    prepared steps together and returns each step's outputs, in order, as ``{port: value}``. Each
+    step's outputs must be what :meth:`run` gives for it alone (the pipeline's batched and sequential
+    renders are compared frame for frame in the tests). :meth:`run` is the batch of one, so there is
+    one code path.
+    """
+
+    phase = Phase.STEP
+
+    @abstractmethod
+    def prepare(self, values: Values) -> Any:
+        """One step's inputs, read from ``values`` (the step's chunk values and the job's)."""
+
+    @abstractmethod
+    def run_batch(self, prepared: Sequence[Any]) -> list[dict[Port[Any], object]]:
+        """The outputs of each prepared step, in order."""
+
+    def run(self, values: Values) -> None:
+        (outputs,) = self.run_batch([self.prepare(values)])
+        for port, value in outputs.items():
+            values.put(port, value)

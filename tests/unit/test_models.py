@@ -366,3 +366,34 @@ def test_modules_run_in_bfloat16(preset: ModelPreset) -> None:
         rgb, cache = m["vae"].decode(torch.randn(1, c, 2, 4, 4, dtype=bf))
     for out in (feats, text, v, hr, rgb, *cache):
         assert out.dtype == bf and torch.isfinite(out.float()).all()
+
+
+@torch.no_grad()
+def test_dit_packed_windows_equal_each_window_alone(mods: dict[str, torch.nn.Module], preset: ModelPreset) -> None:
+    # the pipeline's batched steps (I_{k-1} with N_{k+1}): two windows packed along T, each attending
+    # only to itself, with positions from its own start; each window's velocity is its own forward's
+    dit = mods["a2v"]
+    cfg = preset.dit
+    h, w = preset.lr_latent_hw
+    g = torch.Generator().manual_seed(4)
+    ref = torch.randn(2, cfg.ref_channels, 2 * h, 2 * w, generator=g)
+    ctx = dit.embed_context(ref)  # type: ignore[operator]
+
+    def window(T: int, start: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        known = torch.zeros(2, T, dtype=torch.bool)
+        known[:, :2] = True
+        return (torch.randn(2, cfg.in_channels, T, h, w, generator=g), known,
+                torch.arange(start, start + T)[None].expand(2, -1), torch.randn(2, T, cfg.audio_dim, generator=g))
+
+    a, b = window(6, 4000), window(21, 31)  # positions far apart: only offsets inside a window count
+    t = torch.tensor([0.7, 0.3])
+    alone = [dit(x, t, k, i, ref, au, context=ctx) for x, k, i, au in (a, b)]
+    packed = dit(torch.cat([a[0], b[0]], 2), t, torch.cat([a[1], b[1]], 1), torch.cat([a[2], b[2]], 1), ref,
+                 torch.cat([a[3], b[3]], 1), context=ctx, windows=(6, 21))
+    assert torch.equal(packed[:, :, :6], alone[0]) and torch.equal(packed[:, :, 6:], alone[1])
+    # without windows the two would attend to each other: not the same thing
+    mixed = dit(torch.cat([a[0], b[0]], 2), t, torch.cat([a[1], b[1]], 1), torch.cat([a[2], b[2]], 1), ref,
+                torch.cat([a[3], b[3]], 1), context=ctx)
+    assert not torch.allclose(mixed[:, :, :6], alone[0], atol=1e-3)
+    with pytest.raises(ValueError, match="summing to T"):
+        dit(a[0], t, a[1], a[2], ref, a[3], context=ctx, windows=(3, 2))

@@ -155,3 +155,47 @@ def test_reference_frame_anchors_every_n_chunk() -> None:
     assert plan.key != ChunkPlan(40, 16, 4, 4).key  # a resume state never crosses the two
     assert [s.emission.frames for s in plan.steps if s.emission] == [
         s.emission.frames for s in ChunkPlan(40, 16, 4, 4).steps if s.emission]
+
+
+def test_every_i_step_shares_its_forward_with_the_next_n_step_whose_inputs_it_does_not_write() -> None:
+    from pipeline.pipeline import _groups
+    from pipeline.schedule import can_share_forward
+
+    plan = ChunkPlan(num_frames=65, chunk_frames=16, context_frames=4, interp_frames=4)
+    steps = plan.steps
+    groups = [[r.step.name for r in g] for g in _groups(plan.released(), batching=True)]
+    assert groups == [["N0"], ["N1"], ["I0", "N2"], ["I1", "N3"], ["I2", "N4"]]
+    # what makes a pair safe: the N step's known frames come from N chunks before the I step only
+    for first, second in zip(steps, steps[1:], strict=False):
+        if can_share_forward(first, second):
+            assert first.kind is ChunkKind.I and second.kind is ChunkKind.N
+            assert set(second.known) <= set(plan.n_range(second.index - 1))  # N_{k+1} sees N_k only
+            assert set(second.known).isdisjoint(first.generate)
+    assert not can_share_forward(steps[1], steps[2])  # N1 then I0: I0's anchor is N1's frame e
+    assert [[r.step.name for r in g] for g in _groups(plan.released(), batching=False)] == [[s.name] for s in steps]
+    no_i = ChunkPlan(num_frames=65, chunk_frames=16, context_frames=4, interp_frames=4, use_i_chunks=False)
+    assert all(len(g) == 1 for g in _groups(no_i.released(), batching=True))
+
+
+def test_groups_take_the_next_step_only_to_pair_it() -> None:
+    # a live schedule's next step blocks until its audio has come: without batching, the current
+    # step must run before the next one is asked for
+    from pipeline.pipeline import _groups
+
+    plan = ChunkPlan(num_frames=40, chunk_frames=16, context_frames=4, interp_frames=4)
+    taken: list[str] = []
+
+    def released():  # type: ignore[no-untyped-def]
+        for r in plan.released():
+            taken.append(r.step.name)
+            yield r
+
+    for batching in (False, True):
+        taken.clear()
+        seen = []
+        for group in _groups(released(), batching=batching):
+            seen.append((group[-1].step.name, list(taken)))
+        if not batching:  # each group was handed out when it was the last step taken
+            assert all(taken_then[-1] == name for name, taken_then in seen), seen
+        else:  # N0 is handed out with N1 already taken (to see whether they pair); I0 + N2 together
+            assert [name for name, _ in seen] == ["N0", "N1", "N2", "I1"] and seen[0][1] == ["N0", "N1"]

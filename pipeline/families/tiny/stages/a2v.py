@@ -9,24 +9,30 @@ Audio guidance (``ModelPreset.audio_guidance`` g != 1): every velocity is
 ``v(silence) + g * (v(audio) - v(silence))``, both halves in one batched forward. Silence is a
 condition the model saw in every pause of its training speech, so it needs no condition dropout in
 training; the guidance amplifies what the audio changes — the mouth.
+
+Batched steps (:class:`~pipeline.stage.BatchedStage`): the pipeline may hand ``I_{k-1}`` and
+``N_{k+1}`` over together; their windows are packed along T and sampled as one, each window
+attending only to itself (``A2VDiT.forward(windows=)``), so each step's latents are those of its
+own sampling.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from pipeline.families.tiny import ports as P
 from pipeline.module import Module
 from pipeline.schedule import ChunkKind, ChunkStep
-from pipeline.stage import Phase, Stage, Values
+from pipeline.stage import BatchedStage, Port, Values
 from pipeline.stage_common import Timings, known_positions
 
 
-class A2VStage(Stage):
+class A2VStage(BatchedStage):
     name = "a2v"
-    phase = Phase.STEP
     inputs = (P.STEP, P.ROLLING, P.REF_LATENT, P.REF_LOWRES, P.TEXT_TOKENS, P.TEXT_MASK, P.AUDIO_FEATS,
               P.AUDIO_FEATS_SILENT, P.NOISE)
     outputs = (P.A2V_CONTEXT, P.STEP_LATENTS)
@@ -48,8 +54,7 @@ class A2VStage(Stage):
                 values.get(P.REF_LATENT), values.get_optional(P.TEXT_TOKENS), values.get_optional(P.TEXT_MASK))
         values.put(P.A2V_CONTEXT, tuple(context))
 
-    @torch.no_grad()
-    def run(self, values: Values) -> None:
+    def prepare(self, values: Values) -> _Window:
         step = values.get(P.STEP)
         noise = values.get(P.NOISE)
         device = noise.device  # the step's tensors live where the latents do
@@ -61,12 +66,48 @@ class A2VStage(Stage):
                 step, values.get(P.REF_LOWRES), state.last_n, state.prev_last).to(noise.dtype)
         frame_index_BT = torch.tensor([list(step.window)], dtype=torch.long, device=device)
         silent = values.get_optional(P.AUDIO_FEATS_SILENT) if self.audio_guidance != 1.0 else None
-        velocity = velocity_fn(self.dit.get(), known_BT, frame_index_BT, values.get(P.REF_LATENT),
-                               values.get(P.AUDIO_FEATS), values.get(P.A2V_CONTEXT), silent, self.audio_guidance)
+        return _Window(step, noise, known, known_BT, frame_index_BT, values.get(P.AUDIO_FEATS), silent,
+                       values.get(P.REF_LATENT), values.get(P.A2V_CONTEXT))
+
+    @torch.no_grad()
+    def run_batch(self, prepared: Sequence[_Window]) -> list[dict[Port[Any], object]]:
+        """One sampling over the windows packed along T (``A2VDiT.forward(windows=)``): one DiT
+        forward per sampler step for all of them; each window's result equals its own sampling."""
+        first = prepared[0]
+        sizes = tuple(len(w.step.window) for w in prepared)
+        packed = len(prepared) > 1
+
+        def cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+            return torch.cat(parts, dim=dim) if packed else parts[0]
+
+        silent = None if first.silent is None else cat([w.silent for w in prepared if w.silent is not None], 1)
+        known_BT = cat([w.known_BT for w in prepared], 1)
+        velocity = velocity_fn(self.dit.get(), known_BT, cat([w.frame_index_BT for w in prepared], 1), first.ref,
+                               cat([w.audio for w in prepared], 1), first.context, silent, self.audio_guidance,
+                               windows=sizes if packed else None)
         with self.timings.model("a2v"):
-            x0 = self.sampler.sample(velocity, noise, known, known_BT)  # type: ignore[attr-defined]
-        g0 = step.generate.start - step.window.start
-        values.put(P.STEP_LATENTS, x0[:, :, g0 : g0 + len(step.generate)].contiguous())
+            x0 = self.sampler.sample(velocity, cat([w.noise for w in prepared], 2),  # type: ignore[attr-defined]
+                                     cat([w.known for w in prepared], 2), known_BT)
+        out: list[dict[Port[Any], object]] = []
+        for w, x0_w in zip(prepared, x0.split(sizes, dim=2) if packed else [x0], strict=True):
+            g0 = w.step.generate.start - w.step.window.start
+            out.append({P.STEP_LATENTS: x0_w[:, :, g0 : g0 + len(w.step.generate)].contiguous()})
+        return out
+
+
+@dataclass(frozen=True)
+class _Window:
+    """What one step's sampling needs (:meth:`A2VStage.prepare`)."""
+
+    step: ChunkStep
+    noise: torch.Tensor
+    known: torch.Tensor
+    known_BT: torch.Tensor
+    frame_index_BT: torch.Tensor
+    audio: torch.Tensor
+    silent: torch.Tensor | None
+    ref: torch.Tensor  # job values: the same for every window
+    context: tuple[torch.Tensor, torch.Tensor | None]
 
 
 def known_latents(step: ChunkStep, ref_lowres: torch.Tensor, last_n: torch.Tensor | None,
@@ -90,10 +131,11 @@ def known_latents(step: ChunkStep, ref_lowres: torch.Tensor, last_n: torch.Tenso
 
 def velocity_fn(dit: object, known_BT: torch.Tensor, frame_index_BT: torch.Tensor, ref: torch.Tensor,
                 audio: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor | None],
-                silent: torch.Tensor | None = None, guidance: float = 1.0,
-                ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The sampler's ``velocity(x, t)`` for one window; with ``guidance`` != 1 the DiT runs once over
-    the batch [audio, silence] and returns ``v(silence) + guidance * (v(audio) - v(silence))``."""
+                silent: torch.Tensor | None = None, guidance: float = 1.0, *,
+                windows: tuple[int, ...] | None = None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The sampler's ``velocity(x, t)`` for one window (or several packed along T: ``windows``, their
+    frame counts); with ``guidance`` != 1 the DiT runs once over the batch [audio, silence] and
+    returns ``v(silence) + guidance * (v(audio) - v(silence))``."""
     if guidance != 1.0 and silent is None:
         raise RuntimeError("audio guidance needs the context stage's silence features (silence_features=True)")
     if guidance == 1.0:
@@ -108,7 +150,7 @@ def velocity_fn(dit: object, known_BT: torch.Tensor, frame_index_BT: torch.Tenso
     def velocity(x_BCThw: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         t_B = t.reshape(-1)[:1].expand(nb).to(x_BCThw.dtype)
         v: torch.Tensor = dit(x_BCThw.expand(nb, *x_BCThw.shape[1:]), t_B, known_nb, index_nb,  # type: ignore[operator]
-                              ref_nb, audio_nb, context=context_nb)
+                              ref_nb, audio_nb, context=context_nb, windows=windows)
         if silent is None:
             return v
         v_audio, v_silent = v.chunk(2)
