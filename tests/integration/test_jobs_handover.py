@@ -5,7 +5,8 @@ deployment findings (a), (b)), with real Celery worker processes and real signal
   of ``lease_s + reaper_interval_s`` — measured here with the *default* settings;
 - SIGTERM (a pod stopping, a node drained): the render stops between chunks, the job is released
   without charging its attempt and republished, and another worker resumes it within one chunk
-  plus the drain;
+  plus the drain — with the solo pool and with prefork, whose parent passes the drain on to the
+  pool child that renders;
 - the metrics endpoint answers as soon as the worker is ready, before its first job.
 """
 
@@ -58,9 +59,11 @@ def test_kill9_death_to_resume_with_default_lease(jobs_env: JobsEnv) -> None:
     assert rec.status == "succeeded" and jobs_env.final_bytes(rec) == fake_pipeline.expected_output(seed, n)
 
 
-def test_sigterm_hands_the_job_over_within_a_chunk(jobs_env: JobsEnv) -> None:
-    jobs_env.start_worker("w1")
-    jobs_env.start_worker("w2")
+@pytest.mark.parametrize("pool", ["solo", "prefork"])
+def test_sigterm_hands_the_job_over_within_a_chunk(jobs_env: JobsEnv, pool: str) -> None:
+    # prefork: the SIGTERM reaches the Celery parent, the job renders in its pool child
+    jobs_env.start_worker("w1", pool=pool)
+    jobs_env.start_worker("w2", pool=pool)
     n, seed, chunk_s = 40, 92, 0.25
     job = jobs_env.submit(seed=seed, num_fragments=n, sleep_s=chunk_s)
     owner, spare = _owner_and_spare(jobs_env, job, ("w1", "w2"))
@@ -78,7 +81,8 @@ def test_sigterm_hands_the_job_over_within_a_chunk(jobs_env: JobsEnv) -> None:
     assert rec.status == "succeeded" and rec.attempts == 1 and rec.lease_owner == spare.name, rec
     assert [s.index for s in jobs_env.store.segments(job)] == list(range(n))
     assert jobs_env.final_bytes(rec) == fake_pipeline.expected_output(seed, n)
-    assert "handed back" in owner.log_path.read_text()
+    # released by the process that rendered (the pool child with prefork), not only announced
+    assert f"handed back (worker {owner.name} shutting down)" in owner.log_path.read_text()
 
 
 def test_metrics_endpoint_is_up_before_the_first_job(jobs_env: JobsEnv) -> None:

@@ -16,17 +16,25 @@ the reaper (``Settings.reaper_enabled``) runs as a daemon thread in the worker's
 drain (:meth:`JobWorker.request_drain`). With ``--pool=solo`` (the recommended pool) both work in
 the worker process, which renders; with ``--pool=prefork`` the metrics endpoint starts in the pool
 child instead (``worker_process_init``: it renders, so it holds the render metrics), and the drain
-does not reach it.
+reaches the child by a signal: the Celery parent, in its ``worker_shutting_down``, sends
+:data:`DRAIN_SIGNAL` to each process of its pool (the pids ``celery inspect stats`` lists; never the
+ranks a child started), whose handler, installed at ``worker_process_init``, sets
+:attr:`JobWorker.drain_requested`. The parent's warm shutdown then waits for a task that ends after
+its chunk (``drained``).
 The queue configuration and why each setting is there: :mod:`worker.jobs.queue`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
+from types import FrameType
 from typing import Any
 
 from celery import Celery, signals
+from celery.concurrency.prefork import TaskPool as PreforkPool
 
 from pipeline.request import Renderer
 from worker.delivery.job_delivery import DeliveryFactory, s3_delivery
@@ -40,6 +48,13 @@ from worker.logging import configure_logging
 from worker.settings import Settings
 
 log = logging.getLogger(__name__)
+
+#: what the Celery parent of a prefork pool sends its pool processes on ``worker_shutting_down``: a
+#: real-time signal, which neither Celery nor billiard handles, resets or ignores in a pool child
+#: (SIGUSR1 is the soft time limit there; SIGUSR2 is Celery's rdb signal, and billiard's signal
+#: protection turns it into an exit when the pool runs without an event loop, e.g. the sqla broker).
+#: Internal: a process that got it hands back every job it claims afterwards.
+DRAIN_SIGNAL = signal.SIGRTMIN
 
 
 def create_worker_app(
@@ -94,16 +109,58 @@ def _connect_worker_signals(celery: Celery, settings: Settings) -> None:
     def start_child_metrics(**_: Any) -> None:
         serve_metrics()
 
+    def listen_for_drain(**_: Any) -> None:
+        signal.signal(DRAIN_SIGNAL, _drain_signalled)
+
+    workers: list[Any] = []  # this app's WorkController in this process (worker_init)
+
+    def keep_worker(sender: Any = None, **_: Any) -> None:
+        if getattr(sender, "app", None) is celery:
+            workers.append(sender)
+
     def drain(**_: Any) -> None:
+        # in Celery's handler of the signal, in the worker's main process: the job rendering here
+        # (--pool=solo), then each prefork pool child (its render is elsewhere)
         JobWorker.request_drain()
+        for pid in _pool_children(workers):
+            try:
+                os.kill(pid, DRAIN_SIGNAL)
+            except ProcessLookupError:  # the child is gone already
+                pass
 
     # weak=False: the closures live as long as the process' app (the signals are process-wide)
     signals.setup_logging.connect(setup_logging, weak=False, dispatch_uid=f"{uid}-logging")
     signals.worker_ready.connect(start_metrics, weak=False, dispatch_uid=f"{uid}-metrics")
     signals.worker_process_init.connect(start_child_metrics, weak=False, dispatch_uid=f"{uid}-child-metrics")
+    signals.worker_process_init.connect(listen_for_drain, weak=False, dispatch_uid=f"{uid}-child-drain")
     signals.worker_ready.connect(start_reaper, weak=False, dispatch_uid=f"{uid}-reaper")
+    signals.worker_init.connect(keep_worker, weak=False, dispatch_uid=f"{uid}-worker")
     signals.worker_shutting_down.connect(drain, weak=False, dispatch_uid=f"{uid}-drain")
     signals.worker_shutdown.connect(stop_reaper, weak=False, dispatch_uid=f"{uid}-stop")
+
+
+def _pool_children(workers: list[Any]) -> list[int]:
+    """The pids of the prefork pool processes of ``workers`` (the pool's own list, which ``celery
+    inspect stats`` shows as ``pool.processes``); none for the other pools, whose tasks run in this
+    process."""
+    pids: list[int] = []
+    for worker in workers:
+        pool = getattr(worker, "pool", None)
+        if isinstance(pool, PreforkPool):
+            try:
+                pids += pool.info["processes"]
+            except AttributeError:  # the pool is stopped already (a second signal, late in the shutdown)
+                pass
+    return [pid for pid in pids if pid != os.getpid()]
+
+
+def _drain_signalled(signum: int, frame: FrameType | None) -> None:
+    """:data:`DRAIN_SIGNAL`'s handler (a pool child): set the flag and nothing else — no logging in
+    a signal handler; the render sees the flag between chunks and the release logs the hand-back.
+    One-shot: the flag never clears, and ignoring the signal first means that a second one cannot
+    run this handler again inside ``Event.set`` (its lock is not reentrant)."""
+    signal.signal(signum, signal.SIG_IGN)
+    JobWorker.drain_requested.set()
 
 
 _app: Celery | None = None

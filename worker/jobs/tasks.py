@@ -70,7 +70,8 @@ class JobWorker:
 
     _instances: dict[int, JobWorker] = {}
     _lock = threading.Lock()
-    # set once by request_drain (SIGTERM): the running attempt stops between chunks and is handed back
+    # set once by request_drain (SIGTERM) or, in a prefork pool child, by the drain signal's handler
+    # (worker.jobs.celery_app): the running attempt stops between chunks and is handed back
     drain_requested = threading.Event()
 
     def __init__(
@@ -131,10 +132,13 @@ class JobWorker:
         """The worker is shutting down (Celery's ``worker_shutting_down``, i.e. SIGTERM, connected by
         :mod:`worker.jobs.celery_app`): the running render stops between chunks, the job is
         released without charging its attempt and republished, so another worker resumes it within
-        one chunk plus the drain instead of after the whole job (or the lease, once killed)."""
-        if not cls.drain_requested.is_set():
-            log.warning("shutdown requested: the running job (if any) is handed back after this chunk")
+        one chunk plus the drain instead of after the whole job (or the lease, once killed).
+        Called in a signal handler: the flag is set before anything is logged. In the Celery parent
+        of a prefork pool nothing renders; the parent passes the drain on to its pool children."""
+        first = not cls.drain_requested.is_set()
         cls.drain_requested.set()
+        if first:
+            log.warning("shutdown requested: the running job (if any) is handed back after this chunk")
 
     # ------------------------------------------------------------------------------ one attempt
     def run(self, job_id: str) -> str:
