@@ -9,13 +9,14 @@ nothing. Everything else builds its own app with :func:`create_worker_app` (a wo
 :func:`create_worker_app` registers ``longtake.render_job(job_id)``, whose body is
 :meth:`worker.jobs.tasks.JobWorker.run` on the process' one ``JobWorker`` (built with the
 ``delivery`` factory and ``renderer`` given here: tests pass their fakes), and connects the worker-process signals:
-logging is configured on ``setup_logging``; on ``worker_ready`` the metrics endpoint
-(``Settings.metrics_port``) starts — before the first job, so an idle worker is scraped too — and
+logging is configured on ``setup_logging``; on ``worker_process_init`` the metrics endpoint
+(``Settings.metrics_port``) starts in the process that renders — before the first job, so an idle
+worker is scraped too; the solo pool sends that signal in the worker process itself — and
 the reaper (``Settings.reaper_enabled``) runs as a daemon thread in the worker's main process until
 ``worker_shutdown``; ``worker_shutting_down`` (SIGTERM, SIGINT, SIGQUIT) asks the running job to
 drain (:meth:`JobWorker.request_drain`). With ``--pool=solo`` (the recommended pool) both work in
 the worker process, which renders; with ``--pool=prefork`` the metrics endpoint starts in the pool
-child instead (``worker_process_init``: it renders, so it holds the render metrics), and the drain
+child instead (it renders, so it holds the render metrics), and the drain
 reaches the child by a signal: the Celery parent, in its ``worker_shutting_down``, sends
 :data:`DRAIN_SIGNAL` to each process of its pool (the pids ``celery inspect stats`` lists; never the
 ranks a child started), whose handler, installed at ``worker_process_init``, sets
@@ -100,13 +101,9 @@ def _connect_worker_signals(celery: Celery, settings: Settings) -> None:
             store = JobStore(make_engine(settings.database_url, pool_size=1), retry=DbRetry(1))
             start_metrics_server(settings.metrics_port, store.count_by_status)
 
-    def start_metrics(sender: Any = None, **_: Any) -> None:
-        # the endpoint lives in the process that renders (and so records the render metrics): the
-        # worker itself with --pool=solo; the pool child (worker_process_init) with prefork
-        if "solo" in getattr(getattr(sender, "pool_cls", None), "__module__", ""):
-            serve_metrics()
-
-    def start_child_metrics(**_: Any) -> None:
+    def start_metrics(**_: Any) -> None:
+        # worker_process_init: the process that renders (and so records the render metrics) — the
+        # worker itself with --pool=solo (its pool sends the signal there), the pool child with prefork
         serve_metrics()
 
     def listen_for_drain(**_: Any) -> None:
@@ -130,8 +127,7 @@ def _connect_worker_signals(celery: Celery, settings: Settings) -> None:
 
     # weak=False: the closures live as long as the process' app (the signals are process-wide)
     signals.setup_logging.connect(setup_logging, weak=False, dispatch_uid=f"{uid}-logging")
-    signals.worker_ready.connect(start_metrics, weak=False, dispatch_uid=f"{uid}-metrics")
-    signals.worker_process_init.connect(start_child_metrics, weak=False, dispatch_uid=f"{uid}-child-metrics")
+    signals.worker_process_init.connect(start_metrics, weak=False, dispatch_uid=f"{uid}-metrics")
     signals.worker_process_init.connect(listen_for_drain, weak=False, dispatch_uid=f"{uid}-child-drain")
     signals.worker_ready.connect(start_reaper, weak=False, dispatch_uid=f"{uid}-reaper")
     signals.worker_init.connect(keep_worker, weak=False, dispatch_uid=f"{uid}-worker")

@@ -2,8 +2,8 @@
 is in the logs and the job row.
 
 Who calls: :mod:`worker.jobs.tasks` records into these as a job runs; :func:`start_metrics_server` is
-called once the worker is ready (Celery's ``worker_ready``, :mod:`worker.jobs.celery_app`), before
-its first job, when ``Settings.metrics_port`` is not 0 (idempotent per process). The ``longtake_jobs`` gauge is
+called in the process that renders as it starts (Celery's ``worker_process_init``,
+:mod:`worker.jobs.celery_app`), before its first job, when ``Settings.metrics_port`` is not 0 (idempotent per process). The ``longtake_jobs`` gauge is
 read from the database at scrape time by :class:`JobsByStatusCollector`, so every worker reports the
 same fleet-wide numbers.
 """
