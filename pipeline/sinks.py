@@ -112,26 +112,33 @@ def render_hls_playlist(
 
     ``target_duration`` (whole seconds) must be >= every segment duration rounded to the nearest
     integer (RFC 8216 4.3.3.1); :func:`hls_target_duration` computes it. ``ended`` adds
-    ``#EXT-X-ENDLIST`` (the render finished; players stop polling).
+    ``#EXT-X-ENDLIST`` (the render finished; players stop polling). The text is
+    :func:`hls_playlist_head` + one :func:`hls_playlist_entry` per segment (+ :data:`HLS_ENDLIST`),
+    which is how the S3 sink keeps a long render's playlist: as its text, appended per segment.
     """
-    lines = [
-        "#EXTM3U",
-        "#EXT-X-VERSION:7",
-        "#EXT-X-PLAYLIST-TYPE:EVENT",
-        "#EXT-X-INDEPENDENT-SEGMENTS",
-        f"#EXT-X-TARGETDURATION:{target_duration}",
-        "#EXT-X-MEDIA-SEQUENCE:0",
-        f'#EXT-X-MAP:URI="{init_uri}"',
-    ]
     for uri, duration in segments:
         if _rounded(duration) > target_duration:
             raise ValueError(
                 f"segment {uri} lasts {duration:.3f} s, more than TARGETDURATION {target_duration}"
             )
-        lines += [f"#EXTINF:{duration:.6f},", uri]
-    if ended:
-        lines.append("#EXT-X-ENDLIST")
-    return "\n".join(lines) + "\n"
+    body = "".join(hls_playlist_entry(uri, duration) for uri, duration in segments)
+    return hls_playlist_head(target_duration, init_uri) + body + (HLS_ENDLIST if ended else "")
+
+
+HLS_ENDLIST = "#EXT-X-ENDLIST\n"
+
+
+def hls_playlist_head(target_duration: int, init_uri: str = HLS_INIT) -> str:
+    """The lines of an EVENT playlist before its segments (see :func:`render_hls_playlist`)."""
+    return (
+        "#EXTM3U\n#EXT-X-VERSION:7\n#EXT-X-PLAYLIST-TYPE:EVENT\n#EXT-X-INDEPENDENT-SEGMENTS\n"
+        f'#EXT-X-TARGETDURATION:{target_duration}\n#EXT-X-MEDIA-SEQUENCE:0\n#EXT-X-MAP:URI="{init_uri}"\n'
+    )
+
+
+def hls_playlist_entry(uri: str, duration_s: float) -> str:
+    """One segment's lines in an EVENT playlist (see :func:`render_hls_playlist`)."""
+    return f"#EXTINF:{duration_s:.6f},\n{uri}\n"
 
 
 def _rounded(seconds: float) -> int:

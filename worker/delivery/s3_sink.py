@@ -44,7 +44,9 @@ Committed segments, uploaded parts and the multipart state stay in the store, so
 (``committed=...`` from the job row, ``multipart_state`` from the store) re-sends none of them.
 
 What the sink keeps: the pending run of the final MP4 (< ``part_min_bytes`` + one fragment), the
-backlog above, the list of committed segments (for the playlist) — never frames.
+backlog above, the playlist as its text (~40 bytes per committed segment; the HLS playlist lists
+every segment) and, on a resume, the sha256 digests of the segments committed before (32 bytes
+each) — never frames, and no object per fragment (issue 16: ~1 kB per fragment was kept before).
 """
 
 from __future__ import annotations
@@ -63,7 +65,15 @@ from typing import IO, TypeVar
 
 from pipeline.errors import SinkError
 from pipeline.media_types import Fragment, InitSegment
-from pipeline.sinks import HLS_INIT, HLS_PLAYLIST, hls_segment_name, hls_target_duration, render_hls_playlist
+from pipeline.sinks import (
+    HLS_ENDLIST,
+    HLS_INIT,
+    HLS_PLAYLIST,
+    hls_playlist_entry,
+    hls_playlist_head,
+    hls_segment_name,
+    hls_target_duration,
+)
 from worker.delivery.keys import check_relative_key, safe_key
 from worker.delivery.object_store import ObjectStore
 from worker.delivery.segment import SegmentRecord
@@ -243,7 +253,19 @@ class S3ProgressiveSink:
                 f"committed segment indices {[s.index for s in done]} are not 0..n-1; pass the job's "
                 "committed segments in full"
             )
-        self._committed: list[SegmentRecord] = done
+        # What the sink keeps per committed segment is compact (issue 16: a 2-hour job commits
+        # ~7,000): the playlist's text (~40 bytes a segment) and, for the segments committed before
+        # this attempt, their sha256 digests (32 bytes each, to check the fragments a resumed
+        # render re-makes). The records of a resume are needed only until the upload thread has
+        # reconciled with the store (_start), then dropped; none of this attempt's are kept.
+        self._resumed: Sequence[SegmentRecord] = done
+        self._resumed_sha = b"".join(bytes.fromhex(s.checksum) for s in done)
+        self._playlist = bytearray()  # one hls_playlist_entry per committed segment (preview on)
+        self._playlist_count = 0
+        self._longest_s = 0.0
+        if preview:
+            for seg in done:
+                self._add_to_playlist(seg.key, seg.duration_s)
         self._resume_mp = multipart_state
         self._next_write = len(done)  # next fragment index the render must write
         self._replay_next: int | None = None  # next re-rendered committed fragment expected (see write)
@@ -286,10 +308,11 @@ class S3ProgressiveSink:
             self._replay_next = min(fragment.index, self._next_write)
         if fragment.index < self._next_write:
             # ...so it re-makes committed fragments, byte for byte: check them, don't re-send them.
-            seg = self._committed[fragment.index]
-            if fragment.index != self._replay_next or hashlib.sha256(fragment.data).hexdigest() != seg.checksum:
+            at = 32 * fragment.index
+            if (fragment.index != self._replay_next
+                    or hashlib.sha256(fragment.data).digest() != self._resumed_sha[at:at + 32]):
                 raise _sink_error(
-                    f"re-rendered fragment {fragment.index} does not reproduce committed segment {seg.key} "
+                    f"re-rendered fragment {fragment.index} does not reproduce committed segment {fragment.index} "
                     "(order or checksum): the model, checkpoint or inputs changed since the job started; "
                     "resubmit the job", retryable=False)
             self._replay_next += 1
@@ -297,7 +320,7 @@ class S3ProgressiveSink:
         if fragment.index != self._next_write:
             raise _sink_error(
                 f"fragment.index={fragment.index} but the sink expects {self._next_write} "
-                f"({len(self._committed)} committed on resume); render must write fragments in order",
+                f"({len(self._resumed_sha) // 32} committed on resume); render must write fragments in order",
                 retryable=False,
             )
         self._next_write += 1
@@ -339,10 +362,6 @@ class S3ProgressiveSink:
             self._raise_if_failed()
 
     # ------------------------------------------------------------------ public helpers
-    @property
-    def committed(self) -> list[SegmentRecord]:
-        return list(self._committed)
-
     @property
     def backlog_bytes(self) -> int:
         """Bytes handed to ``write`` that the upload thread has not finished with (a gauge for metrics)."""
@@ -505,7 +524,7 @@ class S3ProgressiveSink:
         assert self._init is not None
         if self.preview:
             same = False
-            if self._committed:
+            if self._resumed:
                 try:
                     same = hashlib.sha256(self._retry("get init", lambda: self.store.get_bytes(self.init_key))
                                           ).hexdigest() == self._init_sha
@@ -514,9 +533,9 @@ class S3ProgressiveSink:
                         raise
             if not same:
                 self._put(self.init_key, self._init.data, "init_bytes", "video/mp4")
-        if not self._committed:
+        if not self._resumed:
             return
-        last = self._committed[-1].index
+        last = self._resumed[-1].index
         mp = self._resume_mp or self._load_multipart_state()
         if mp is not None and mp.init_sha256 != self._init_sha:
             raise _sink_error(
@@ -533,13 +552,14 @@ class S3ProgressiveSink:
                 "(which would hold them) is off; restart the job from scratch", retryable=False,
             )
         # Refill the pending run from the committed preview segments (a download, not a re-upload).
-        for seg in self._committed[covered + 1:]:
+        for seg in self._resumed[covered + 1:]:
             data = self._retry(f"get {seg.key}", lambda k=seg.key: self.store.get_bytes(k))  # type: ignore[misc]
             self.counters.downloaded_bytes += len(data)
             if hashlib.sha256(data).hexdigest() != seg.checksum:
                 raise _sink_error(f"segment {seg.key} does not match its committed checksum; restart the job",
                                   retryable=False)
             self._add_pending(seg.index, data)
+        self._resumed = ()  # reconciled: only the digests (write's replay check) are kept
         if self.preview:
             self._put_playlist(ended=False)
 
@@ -581,7 +601,7 @@ class S3ProgressiveSink:
                 self._put(state_key, state, "state_bytes", "application/octet-stream")
             seg = SegmentRecord(fragment.index, key, len(data), fragment.duration_s, checksum, state_key,
                                    fragment.first_frame, fragment.num_frames)
-            self._committed.append(seg)
+            self._add_to_playlist(key, seg.duration_s)
             self._put_playlist(ended=False, optional=True)
             self._commit(seg)
         else:
@@ -599,27 +619,32 @@ class S3ProgressiveSink:
                 retryable=False,
             ) from exc
 
-    def _put_playlist(self, *, ended: bool, optional: bool = False) -> None:
-        segments = [(seg.key.rsplit("/", 1)[-1], seg.duration_s) for seg in self._committed]
-        longest = max((d for _, d in segments), default=0.0)
-        if self._target_duration is None and segments:
+    def _add_to_playlist(self, key: str, duration_s: float) -> None:
+        if self._target_duration is None:
             # fixed by the first segment with 1 s of headroom (it must not change in an EVENT playlist)
-            self._target_duration = hls_target_duration(segments[0][1]) + 1
-        target = max(self._target_duration or 1, hls_target_duration(longest))
+            self._target_duration = hls_target_duration(duration_s) + 1
+        self._playlist += hls_playlist_entry(key.rsplit("/", 1)[-1], duration_s).encode()
+        self._playlist_count += 1
+        self._longest_s = max(self._longest_s, duration_s)
+
+    def _put_playlist(self, *, ended: bool, optional: bool = False) -> None:
+        target = max(self._target_duration or 1, hls_target_duration(self._longest_s))
         if self._target_duration is not None and target > self._target_duration:
-            logger.warning("segment of %.3f s exceeds the HLS target duration %d; raising it", longest,
+            logger.warning("segment of %.3f s exceeds the HLS target duration %d; raising it", self._longest_s,
                            self._target_duration)
             self._target_duration = target
-        text = render_hls_playlist(segments, target, ended=ended, init_uri=INIT_NAME).encode()
-        if optional and len(self._committed) > 1:
+        head = hls_playlist_head(target, INIT_NAME).encode()
+        tail = HLS_ENDLIST.encode() if ended else b""
+        if optional and self._playlist_count > 1:
             # Each rewrite re-sends the whole list (O(n^2) bytes over a render). Stay within
             # playlist_budget of the segment bytes: every segment for ordinary sizes, thinning out
             # only for very long, low-bitrate renders (keeps the 2.02x upload bound).
             budget = self._playlist_budget * self.counters.segment_bytes
-            if self.counters.playlist_bytes + len(text) > budget:
+            if self.counters.playlist_bytes + len(head) + len(self._playlist) + len(tail) > budget:
                 self.counters.num_playlist_skips += 1
                 return
-        self._put(self.playlist_key, text, "playlist_bytes", "application/vnd.apple.mpegurl")
+        self._put(self.playlist_key, head + bytes(self._playlist) + tail, "playlist_bytes",
+                  "application/vnd.apple.mpegurl")
 
     def _add_pending(self, index: int, data: bytes) -> None:
         self._pending.append((index, data))
@@ -671,7 +696,6 @@ class S3ProgressiveSink:
             seg = SegmentRecord(frag.index, self.final_key, nbytes, frag.duration_s, checksum,
                                    state_key if frag.index == state_index else None, frag.first_frame,
                                    frag.num_frames)
-            self._committed.append(seg)
             self._commit(seg)
         self._unpart_commits = []
 

@@ -245,6 +245,9 @@ class JobWorker:
             )
         if committed:
             log.info("resuming after committed segment %d", committed[-1].index)
+        # the delivery keeps what it needs of them (compactly); a resume of a long job would
+        # otherwise hold every earlier segment's record for the whole attempt
+        del committed
         feeder: list[SessionFeeder] = []
         try:
             outcome = self._render(lease, rec, delivery, image, audio, resume_state, feeder)
