@@ -215,13 +215,11 @@ class Pipeline:
                         works.append(_EmissionWork(released, latents, dataclasses.replace(state),
                                                    snapshot=not live and not released.is_last_emission
                                                    and j == len(emitted) - 1))
-                del outputs, emitted
                 for work in works:
                     if lane is not None:
                         lane.submit(work)
                     else:
                         emit(values, work)
-                del works
                 report()
             if lane is not None:
                 lane.finish(ok=True)  # every emission published (raises the lane's error, if any)
@@ -244,39 +242,32 @@ class Pipeline:
 
     def _run_steps(self, values: Values, group: list[ReleasedStep]) -> list[torch.Tensor]:
         """The step stages over a group of steps (one step, or steps that ``can_share_forward``):
-        each step's ``STEP_LATENTS``, in order. A group of one runs every stage's ``run``."""
-        if len(group) == 1:
-            released = group[0]
-            values.put(P.PLAN, released.plan)  # the plan the step was taken from (live: it grows)
-            values.put(P.STEP, released.step)
-            for stage in self.step_stages:
-                with self.timings.stage(stage.name):
-                    stage.run(values)
-            latents = values.get(P.STEP_LATENTS)
-            values.end_chunk()
-            return [latents]
+        the stages before the batched one per step, the batched one once over the group (for one
+        step that is its ``run``), the rest per step. Each step's ``STEP_LATENTS``, in order."""
         batched = self.batched_stage
-        assert batched is not None
-        at = self.step_stages.index(batched)
-        step_values = [values.fork() for _ in group]  # the job values, and chunk values per step
+        at = self.step_stages.index(batched) if batched is not None else len(self.step_stages)
+        step_values = [values] if len(group) == 1 else [values.fork() for _ in group]  # chunk values per step
         prepared: list[Any] = []
         for released, vals in zip(group, step_values, strict=True):
-            vals.put(P.PLAN, released.plan)
+            vals.put(P.PLAN, released.plan)  # the plan the step was taken from (live: it grows)
             vals.put(P.STEP, released.step)
             for stage in self.step_stages[:at]:
                 with self.timings.stage(stage.name):
                     stage.run(vals)
-            prepared.append(batched.prepare(vals))
-        with self.timings.stage(batched.name):
-            outputs = batched.run_batch(prepared)
-        del prepared
-        for vals, out in zip(step_values, outputs, strict=True):
-            for port, value in out.items():
-                vals.put(port, value)
-            for stage in self.step_stages[at + 1:]:
-                with self.timings.stage(stage.name):
-                    stage.run(vals)
-        return [vals.get(P.STEP_LATENTS) for vals in step_values]
+            if batched is not None:
+                prepared.append(batched.prepare(vals))
+        if batched is not None:
+            with self.timings.stage(batched.name):
+                outputs = batched.run_batch(prepared)
+            for vals, out in zip(step_values, outputs, strict=True):
+                for port, value in out.items():
+                    vals.put(port, value)
+                for stage in self.step_stages[at + 1:]:
+                    with self.timings.stage(stage.name):
+                        stage.run(vals)
+        latents = [vals.get(P.STEP_LATENTS) for vals in step_values]
+        values.end_chunk()  # the forks of a group go with their chunk values
+        return latents
 
     def _run_emission_stages(self, values: Values, emission: Emission, latents: torch.Tensor) -> np.ndarray:
         values.put(P.EMISSION, emission)

@@ -80,7 +80,7 @@ class A2VStage(BatchedStage):
         def cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
             return torch.cat(parts, dim=dim) if packed else parts[0]
 
-        silent = None if first.silent is None else cat([w.silent for w in prepared if w.silent is not None], 1)
+        silent = None if first.silent is None else cat([w.silent for w in prepared if w.silent is not None], 1)  # all or none
         known_BT = cat([w.known_BT for w in prepared], 1)
         velocity = velocity_fn(self.dit.get(), known_BT, cat([w.frame_index_BT for w in prepared], 1), first.ref,
                                cat([w.audio for w in prepared], 1), first.context, silent, self.audio_guidance,
