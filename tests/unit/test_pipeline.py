@@ -203,13 +203,13 @@ def test_audio_guidance_is_wired_and_off_means_one_forward(speech) -> None:  # t
                                tiny_family.default_checkpoint(tiny))
         seen: list[object] = []
         a2v = family.pipeline.step_stages[1]
-        run = a2v.run
+        prepare = a2v.prepare  # type: ignore[attr-defined]
 
-        def spy(values, run=run, seen=seen):  # type: ignore[no-untyped-def]
+        def spy(values, prepare=prepare, seen=seen):  # type: ignore[no-untyped-def]
             seen.append(values.get_optional(P.AUDIO_FEATS_SILENT))
-            run(values)
+            return prepare(values)
 
-        a2v.run = spy  # type: ignore[method-assign]
+        a2v.prepare = spy  # type: ignore[attr-defined]
         parts: list[np.ndarray] = []
         render(request, [RecordingSink()], family=family,
                frame_tap=lambda f0, fr, parts=parts: parts.append(fr.copy()))
