@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pipeline.host import release_free_heap
 from pipeline.media_types import Fragment, FrameSink, InitSegment
 from pipeline.request import RenderProgress
 
@@ -56,7 +57,12 @@ class SinkRelay:
     """Parent side: replays what rank 0 published onto the real sinks and callbacks, in order, on
     the thread that called ``NodeEngine.run``.
 
-    ``on_fragment`` sees each fragment before the sinks; ``on_progress`` each progress record. A sink
+    ``on_fragment`` sees each fragment before the sinks; ``on_progress`` each progress record. After
+    the sinks have taken a fragment, the free heap goes back to the kernel
+    (:func:`~pipeline.host.release_free_heap`, once per fragment, as the rank does once per
+    emission): the worker process allocates and frees each fragment and resume state (hundreds of
+    kB) on its threads' arenas, and without the trim its resident set stepped up over a long job
+    (docs/benchmarks.md, "The worker's heap"). A sink
     that raises makes ``NodeEngine.run`` ask the job to cancel and re-raise that error (the worker's
     lease-lost and upload errors end the render that way); events after it are dropped, so the
     caller then closes the sinks with ``close(ok=False)`` (``opened and not closed`` tells whether
@@ -86,6 +92,7 @@ class SinkRelay:
                 self._on_fragment(event)
             for sink in self._sinks:
                 sink.write(event)
+            release_free_heap()  # as Pipeline._emit does in the rank: RSS follows live memory
         elif isinstance(event, SinkClosed):
             self.close(ok=event.ok, raise_errors=True)
         elif isinstance(event, RenderProgress):

@@ -52,12 +52,16 @@ def write_plan(
     hang_at: int | None = None,
     hang_once: Path | None = None,
     as_wav: bool = False,
+    fragment_bytes: int = FRAGMENT_BYTES,
+    state_bytes: int = 0,
 ) -> Path:
     """Write the JSON 'audio' file that drives the fake render. ``hang_at``: before that fragment
     the render goes silent for an hour (a deadlocked rank), only while the file ``hang_once`` does
     not exist yet (it is created when the hang starts), so a retry runs through. ``as_wav``: a real
     (silent, 1 s) WAV file that carries the plan in a chunk of its own, for paths that probe the
-    audio before the render (the API's upload check)."""
+    audio before the render (the API's upload check). ``fragment_bytes`` / ``state_bytes``: the size
+    of each fragment's media and the padding of its resume state (a real tiny job's: ~36 kB and
+    ~1.25 MB), for the memory profiles of the worker path."""
     plan = json.dumps(
         {
             "num_fragments": num_fragments,
@@ -66,6 +70,8 @@ def write_plan(
             "fail_code": fail_code,
             "hang_at": hang_at,
             "hang_once": str(hang_once) if hang_once else None,
+            "fragment_bytes": fragment_bytes,
+            "state_bytes": state_bytes,
         }
     ).encode()
     if not as_wav:
@@ -123,11 +129,16 @@ def _start_state(seed: int) -> bytes:
     return hashlib.sha256(f"longtake-fake-{seed}".encode()).digest()
 
 
-def _fragment(seed: int, index: int, acc: bytes, num_fragments: int) -> tuple[Fragment, bytes]:
+def _fragment(
+    seed: int, index: int, acc: bytes, num_fragments: int, size: int = FRAGMENT_BYTES, state_bytes: int = 0
+) -> tuple[Fragment, bytes]:
     block = hashlib.sha256(acc + index.to_bytes(8, "big")).digest()
-    data = (block * (FRAGMENT_BYTES // len(block) + 1))[:FRAGMENT_BYTES]
+    data = (block * (size // len(block) + 1))[:size]
     acc = hashlib.sha256(acc + data).digest()
-    state = json.dumps({"seed": seed, "next": index + 1, "acc": acc.hex()}).encode()
+    st: dict[str, Any] = {"seed": seed, "next": index + 1, "acc": acc.hex()}
+    if state_bytes:
+        st["pad"] = "s" * state_bytes
+    state = json.dumps(st).encode()
     frag = Fragment(
         index=index,
         data=data,
@@ -286,7 +297,8 @@ def render(
                     else InvalidInputError(f"fake bad input at fragment {i}", field="audio")
                 )
                 raise err
-            frag, acc = _fragment(seed, i, acc, n)
+            frag, acc = _fragment(seed, i, acc, n, int(plan.get("fragment_bytes", FRAGMENT_BYTES)),
+                                  int(plan.get("state_bytes", 0)))
             _count(seed, i)
             for s in sinks:
                 s.write(frag)
