@@ -53,7 +53,8 @@ def process_cpu_s() -> float:
 
 
 def run_once(preset: str, seconds: float, mode: str, threads: int | None, image: Path | None,
-             checkpoint: Path | None, seed: int, overlap: bool = True, batch_steps: bool = True) -> dict[str, object]:
+             checkpoint: Path | None, seed: int, overlap: bool = True, batch_steps: bool = True,
+             family_name: str = "tiny") -> dict[str, object]:
     from pipeline.families import FAMILIES
     from pipeline.family_runtime import WARM_FAMILIES
     from pipeline.host import default_threads, peak_rss_bytes
@@ -65,8 +66,8 @@ def run_once(preset: str, seconds: float, mode: str, threads: int | None, image:
     with tempfile.TemporaryDirectory(prefix="longtake-bench-") as tmp:
         audio = speech_wav(Path(tmp) / "speech.wav", seconds, seed=seed)
         out = Path(tmp) / "out.mp4"
-        request = RenderRequest(image=image or DEMO_IMAGE, audio=audio, seed=seed, preset=preset,
-                                checkpoint=checkpoint)
+        request = RenderRequest(image=image or DEMO_IMAGE, audio=audio, seed=seed, family=family_name,
+                                preset=preset, checkpoint=checkpoint)
         family = WARM_FAMILIES.get(FAMILIES.get(request.family), preset, checkpoint)
         family.overlap_emissions = overlap
         family.batch_steps = batch_steps
@@ -98,6 +99,7 @@ def run_once(preset: str, seconds: float, mode: str, threads: int | None, image:
                 digest.update(block)
     model_total = sum(r.model_s.values())
     return {
+        "family": family_name,
         "preset": preset,
         "mode": mode,
         "threads": torch.get_num_threads(),
@@ -129,6 +131,8 @@ def run_once(preset: str, seconds: float, mode: str, threads: int | None, image:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.stream", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", default="tiny", help="model family (tiny; wan: --preset tiny runs seeded random "
+                   "weights at the tiny Wan shape, a release needs --checkpoint DIR)")
     p.add_argument("--preset", default="tiny")
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--mode", choices=["streaming", "batch"], default="streaming")
@@ -163,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(results, indent=None if args.json else 2))
         return 0
     result = run_once(args.preset, args.seconds, args.mode, args.threads, args.image, args.checkpoint, args.seed,
-                      overlap=not args.no_overlap, batch_steps=not args.no_batch_steps)
+                      overlap=not args.no_overlap, batch_steps=not args.no_batch_steps, family_name=args.family)
     if args.json:
         print(json.dumps(result))
     else:
@@ -174,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_child(args: argparse.Namespace, *, mode: str, batch_steps: bool) -> dict[str, object]:
     """One render in a process of its own (peak RSS is a process high-water mark): its JSON result."""
-    cmd = [sys.executable, "-m", "bench.stream", "--preset", args.preset, "--seconds", str(args.seconds),
+    cmd = [sys.executable, "-m", "bench.stream", "--family", args.family, "--preset", args.preset,
+           "--seconds", str(args.seconds),
            "--mode", mode, "--seed", str(args.seed), "--json"]
     if args.threads:
         cmd += ["--threads", str(args.threads)]

@@ -107,11 +107,18 @@ class WanSelfAttention(nn.Module):
         self.norm_q = WanRMSNorm(d, cfg.eps) if cfg.qk_norm else nn.Identity()
         self.norm_k = WanRMSNorm(d, cfg.eps) if cfg.qk_norm else nn.Identity()
 
-    def forward(self, x_BLD: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+    def forward(self, x_BLD: Tensor, rope: tuple[Tensor, Tensor], segments: tuple[int, ...] | None = None) -> Tensor:
+        """``segments``: token counts of windows packed along L, each attending only to itself."""
         q = apply_rope(self.norm_q(self.q(x_BLD)).unflatten(-1, (self.num_heads, -1)), *rope)
         k = apply_rope(self.norm_k(self.k(x_BLD)).unflatten(-1, (self.num_heads, -1)), *rope)
         v = self.v(x_BLD).unflatten(-1, (self.num_heads, -1))
-        return self.o(attention(q, k.type_as(q), v.type_as(q)).flatten(2).type_as(x_BLD))
+        k, v = k.type_as(q), v.type_as(q)
+        if segments is None:
+            out = attention(q, k, v)
+        else:  # one attention per window: no mask, no padding
+            out = torch.cat([attention(*qkv) for qkv in zip(q.split(segments, 1), k.split(segments, 1),
+                                                            v.split(segments, 1), strict=True)], dim=1)
+        return self.o(out.flatten(2).type_as(x_BLD))
 
 
 class WanI2VCrossAttention(nn.Module):
@@ -188,12 +195,13 @@ class WanAvatarBlock(nn.Module):
         text_BND: Tensor,
         image_BMD: Tensor,
         audio_BTMC: Tensor | None,
+        segments: tuple[int, ...] | None = None,
     ) -> Tensor:
         dtype = x_BLD.dtype
         shift1, scale1, gate1, shift2, scale2, gate2 = (self.modulation.float() + e_B6D.float()).chunk(
             6, dim=1
         )
-        y = self.self_attn((self.norm1(x_BLD).float() * (1 + scale1) + shift1).to(dtype), rope)
+        y = self.self_attn((self.norm1(x_BLD).float() * (1 + scale1) + shift1).to(dtype), rope, segments)
         x_BLD = (x_BLD.float() + y.float() * gate1).to(dtype)
         x_BLD = x_BLD + self.cross_attn(self.norm3(x_BLD), text_BND, image_BMD)
         if audio_BTMC is not None:
@@ -323,6 +331,7 @@ class WanAvatarDiT(nn.Module):
         timestep_B: Tensor,
         context: tuple[Tensor, Tensor],
         audio_BTMC: Tensor | None,
+        windows: tuple[int, ...] | None = None,
     ) -> Tensor:
         """One velocity evaluation.
 
@@ -330,6 +339,12 @@ class WanAvatarDiT(nn.Module):
         (4 mask channels + the VAE latents of known frames); ``context``: from :meth:`embed_context`;
         ``audio_BTMC``: from :meth:`audio_tokens`, or ``None`` to run without the audio branch (the
         plain Wan2.1-I2V model). Returns float32 velocity shaped like ``latents_BCTHW``.
+
+        ``windows``: latent frame counts of several windows packed along T (the batched steps of
+        ``pipeline.stage.BatchedStage``): each window's rotary frame positions start at 0 and its
+        tokens attend only to its own in self-attention; every other layer is per token (the
+        cross-attentions: the same text/image context, the audio per latent frame), so each window's
+        velocity is the one it gets alone.
         """
         cfg = self.cfg
         x = torch.cat([latents_BCTHW, cond_BCTHW], dim=1)
@@ -345,9 +360,17 @@ class WanAvatarDiT(nn.Module):
             raise ValueError(
                 f"audio tokens cover {audio_BTMC.shape[1]} latent frames; the latents have {grid[0]}"
             )
+        segments: tuple[int, ...] | None = None
+        if windows is None:
+            rope = rope_cos_sin(cfg.head_dim, grid, x.device)
+        else:
+            if sum(windows) != t or any(n % pt for n in windows):
+                raise ValueError(f"windows {windows} must split the {t} latent frames (multiples of {pt})")
+            parts = [rope_cos_sin(cfg.head_dim, (n // pt, grid[1], grid[2]), x.device) for n in windows]
+            rope = (torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts]))
+            segments = tuple(n // pt * grid[1] * grid[2] for n in windows)
         param_dtype = self.patch_embedding.weight.dtype
         x_BLD = self.patch_embedding(x.to(param_dtype)).flatten(2).transpose(1, 2)
-        rope = rope_cos_sin(cfg.head_dim, grid, x.device)
 
         half = cfg.freq_dim // 2
         freqs = torch.pow(10000.0, -torch.arange(half, dtype=torch.float64, device=x.device) / half)
@@ -359,7 +382,8 @@ class WanAvatarDiT(nn.Module):
 
         text_BND, image_BMD = context
         for block in self.blocks:
-            x_BLD = block(x_BLD, e_B6D, rope, text_BND.to(param_dtype), image_BMD.to(param_dtype), audio_BTMC)
+            x_BLD = block(x_BLD, e_B6D, rope, text_BND.to(param_dtype), image_BMD.to(param_dtype), audio_BTMC,
+                          segments)
 
         out = self.head(x_BLD, e_BD)
         out = out.reshape(b, *grid, pt, ph, pw, cfg.out_dim)

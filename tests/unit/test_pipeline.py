@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import pytest
@@ -17,6 +19,8 @@ from pipeline.family_runtime import WARM_FAMILIES, FamilyRuntime
 from pipeline.media_types import Fragment, InitSegment
 from pipeline.render import RenderRequest, render
 from pipeline.sinks import FileSink
+
+R = TypeVar("R")
 
 
 class RecordingSink:
@@ -222,27 +226,36 @@ def test_audio_guidance_is_wired_and_off_means_one_forward(speech) -> None:  # t
     assert not np.array_equal(frames[1.0], frames[3.0])
 
 
+def render_batched_and_sequential(runtime: FamilyRuntime, dit: torch.nn.Module, render_once: Callable[[], R]
+                                  ) -> tuple[dict[str, R], dict[str, list[tuple[int, tuple[int, ...] | None]]]]:
+    """``render_once()`` with the runtime's batched steps, then with the sequential loop; each run's
+    result and its DiT calls as (frames along T, ``windows``)."""
+    calls: list[tuple[int, tuple[int, ...] | None]] = []
+    hook = dit.register_forward_pre_hook(
+        lambda m, args, kwargs: calls.append((args[0].shape[2], kwargs.get("windows"))), with_kwargs=True)
+    results: dict[str, R] = {}
+    per_run: dict[str, list[tuple[int, tuple[int, ...] | None]]] = {}
+    try:
+        for name, batch in (("batched", True), ("sequential", False)):
+            calls.clear()
+            runtime.batch_steps = batch
+            try:
+                results[name] = render_once()
+            finally:
+                runtime.batch_steps = True
+            per_run[name] = list(calls)
+    finally:
+        hook.remove()
+    return results, per_run
+
+
 def test_batched_steps_equal_the_sequential_loop(speech) -> None:  # type: ignore[no-untyped-def]
     # 2.6 s: N0 N1 I0 N2 I1 N3 I2 N4 -> groups N0 | N1 | I0+N2 | I1+N3 | I2+N4 (N4: the one-frame last chunk)
     family = _warm_tiny()
     assert family.batch_steps and family.pipeline.batched_stage is not None
-    dit = family.modules["a2v"].get()
-    calls: list[tuple[int, tuple[int, ...] | None]] = []
-    hook = dit.register_forward_pre_hook(
-        lambda m, args, kwargs: calls.append((args[0].shape[2], kwargs.get("windows"))), with_kwargs=True)
     request = RenderRequest(image=DEMO_IMAGE, audio=speech(2.6), seed=11)
-    try:
-        batched, b_sink = _frames(request)
-        per_run = {"batched": list(calls)}
-        calls.clear()
-        family.batch_steps = False
-        try:
-            sequential, s_sink = _frames(request)
-        finally:
-            family.batch_steps = True
-        per_run["sequential"] = list(calls)
-    finally:
-        hook.remove()
+    results, per_run = render_batched_and_sequential(family, family.modules["a2v"].get(), lambda: _frames(request))
+    (batched, b_sink), (sequential, s_sink) = results["batched"], results["sequential"]
     steps = 5  # the tiny preset's sampler steps: one DiT forward each per window (or packed windows)
     assert len(per_run["sequential"]) == 8 * steps and all(w is None for _, w in per_run["sequential"])
     packed = [(t, w) for t, w in per_run["batched"] if w is not None]

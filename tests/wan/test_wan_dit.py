@@ -180,3 +180,34 @@ def test_wrong_audio_window_count_names_the_shape(tiny_cfg) -> None:  # type: ig
         assert "one window per video frame" in str(exc)
     else:  # pragma: no cover
         raise AssertionError("expected ValueError")
+
+
+@torch.no_grad()
+def test_packed_windows_equal_each_window_alone(tiny_cfg) -> None:  # type: ignore[no-untyped-def]
+    # the pipeline's batched steps (I_{k-1} with N_{k+1}): two windows of different lengths packed
+    # along T, each with rotary frame positions from 0 and self-attention to itself only, under all
+    # three guidance branches at once (B = 3); each window's velocity is its own forward's
+    torch.manual_seed(0)
+    dit = WanAvatarDiT(tiny_cfg).eval()
+    a, b = _inputs(tiny_cfg, t=2, seed=2), _inputs(tiny_cfg, t=5, seed=3)
+    context = dit.embed_context(a["text"].expand(3, -1, -1), a["clip"].expand(3, -1, -1))
+
+    def batch3(x: Tensor) -> Tensor:
+        return torch.cat([x, x + 0.5, x - 0.5])
+
+    parts = [(batch3(x["latents"]), batch3(x["cond"]), batch3(dit.audio_tokens(x["audio"]))) for x in (a, b)]
+    t = torch.tensor([637.0, 637.0, 637.0])
+    alone = [dit(lat, cond, t, context, au) for lat, cond, au in parts]
+    packed = dit(torch.cat([p[0] for p in parts], 2), torch.cat([p[1] for p in parts], 2), t, context,
+                 torch.cat([p[2] for p in parts], 1), windows=(2, 5))
+    assert torch.equal(packed[:, :, :2], alone[0]) and torch.equal(packed[:, :, 2:], alone[1])
+    # without windows the two attend to each other (and b's positions would start at 2)
+    mixed = dit(torch.cat([p[0] for p in parts], 2), torch.cat([p[1] for p in parts], 2), t, context,
+                torch.cat([p[2] for p in parts], 1))
+    assert not torch.allclose(mixed[:, :, :2], alone[0], atol=1e-4)
+    try:
+        dit(parts[0][0], parts[0][1], t, context, parts[0][2], windows=(1, 3))
+    except ValueError as exc:
+        assert "must split the 2 latent frames" in str(exc)
+    else:  # pragma: no cover
+        raise AssertionError("expected ValueError")

@@ -21,6 +21,7 @@ from pipeline.media_types import Fragment, InitSegment
 from pipeline.render import RenderRequest, render
 from pipeline.schedule import ChunkKind, ChunkPlan, FrameGrid, frames_for_audio
 from pipeline.state import RollingState
+from tests.unit.test_pipeline import render_batched_and_sequential
 
 WAN = FAMILIES.get("wan")
 
@@ -150,3 +151,23 @@ def test_reencode_differs_from_latent_only_in_the_context_frames(release: Path, 
         changed = {t for t in range(len(step.window)) if not torch.equal(k_lat[:, :, t], k_re[:, :, t])}
         assert changed == differ, (name, changed)
         assert torch.equal(k_lat[:, :, 0], state.last_n[:, :, -1] if name == "N1" else state.prev_last[:, :, 0])
+
+
+@pytest.mark.parametrize("conditioning", ["latent", "reencode"])
+def test_batched_steps_equal_the_sequential_loop(release: Path, audio: Path, conditioning: str) -> None:
+    # N0 N1 I0 N2 I1 N3 I2 -> groups N0 | N1 | I0+N2 | I1+N3 | I2 (I2: nothing after it)
+    request = _request(release, audio, options={"conditioning": conditioning})
+    runtime = WARM_FAMILIES.get(WAN, "tiny", release)
+    assert runtime.batch_steps and runtime.pipeline.batched_stage is not None
+    results, per_run = render_batched_and_sequential(runtime, runtime.modules["dit"].get(),
+                                                     lambda: _render(request))
+    (batched, b_sink), (sequential, s_sink) = results["batched"], results["sequential"]
+    steps = int(WAN.options(PRESETS["tiny"], {})["steps"])  # one DiT forward per sampler step per group
+    assert len(per_run["sequential"]) == 7 * steps and all(w is None for _, w in per_run["sequential"])
+    packed = [(t, w) for t, w in per_run["batched"] if w is not None]
+    assert len(per_run["batched"]) == 5 * steps and len(packed) == 2 * steps
+    # I_{k-1} (two anchors + e = 4 latents) packed with N_{k+1} (C = 1 context + L = 4; N3, the last
+    # chunk, generates the 2 latents left)
+    assert [w for _, w in packed] == [(4, 5)] * steps + [(4, 3)] * steps
+    assert np.array_equal(batched, sequential)
+    assert [f.data for f in b_sink.fragments] == [f.data for f in s_sink.fragments]

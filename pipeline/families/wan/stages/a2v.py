@@ -7,11 +7,18 @@ batched forward — cond (prompt, audio), drop-text (negative prompt, audio), un
 zero audio features) — ``v = v_u + g_t (v_c - v_dt) + g_a (v_dt - v_u)``; with ``g_t = 1`` only
 ``v = v_da + g_a (v_c - v_da)`` (drop-audio: prompt, zero audio); with both 1 (FlashTalk) one branch.
 The schedule is upstream's: ``linspace(1000, 1, steps)`` then 0, shifted ``s t / (1 + (s - 1) t)``.
+
+Batched steps (:class:`~pipeline.stage.BatchedStage`): the pipeline may hand ``I_{k-1}`` and
+``N_{k+1}`` over together; their windows (of different lengths) are packed along T and sampled as
+one, each attending only to itself (``WanAvatarDiT.forward(windows=)``), so one DiT forward per
+sampler step serves both — on a node, one AllGather of every sharded block instead of two.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +28,8 @@ from models.sampler import FlowMatchEulerSampler
 from pipeline.families.wan import ports as P
 from pipeline.families.wan.conditioning import condition, known_latents
 from pipeline.module import Module
-from pipeline.stage import Phase, Stage, Values
+from pipeline.schedule import ChunkStep
+from pipeline.stage import BatchedStage, Port, Values
 from pipeline.stage_common import Timings
 
 NUM_TIMESTEPS = 1000
@@ -36,9 +44,8 @@ class WanEulerSampler(FlowMatchEulerSampler):
         return (self.shift * t / (1.0 + (self.shift - 1.0) * t)).float()
 
 
-class WanA2VStage(Stage):
+class WanA2VStage(BatchedStage):
     name = "a2v"
-    phase = Phase.STEP
     inputs = (P.STEP, P.ROLLING, P.OPTIONS, P.REF_LATENT, P.PAD_LATENT, P.CLIP_TOKENS, P.TEXT_STATES,
               P.AUDIO_WINDOWS, P.NOISE)
     outputs = (P.DIT_CONTEXT, P.STEP_LATENTS)
@@ -61,25 +68,45 @@ class WanA2VStage(Stage):
         values.put(P.DIT_CONTEXT, tuple(context))
 
     @torch.no_grad()
-    def run(self, values: Values) -> None:
+    def prepare(self, values: Values) -> _Window:
         step = values.get(P.STEP)
         options = values.get(P.OPTIONS)
         state = values.get(P.ROLLING)
-        noise = values.get(P.NOISE)
         known = known_latents(step, str(options["conditioning"]), values.get(P.REF_LATENT), state.last_n,
                               state.prev_last, self.reencode)
         cond, clean, known_BT = condition(step, known, values.get(P.PAD_LATENT))
+        return _Window(step, values.get(P.NOISE), cond, clean, known_BT, values.get(P.AUDIO_WINDOWS), options,
+                       values.get(P.DIT_CONTEXT))
+
+    @torch.no_grad()
+    def run_batch(self, prepared: Sequence[_Window]) -> list[dict[Port[Any], object]]:
+        """One sampling over the windows packed along T: one DiT forward (all guidance branches) per
+        sampler step for all of them; each window's result equals its own sampling."""
+        first = prepared[0]
+        options = first.options  # job values: the same for every step
+        sizes = tuple(len(w.step.window) for w in prepared)
+        packed = len(prepared) > 1
+
+        def cat(parts: list[Tensor], dim: int) -> Tensor:
+            return torch.cat(parts, dim=dim) if packed else parts[0]
+
         dit = self.dit.get()
-        windows = values.get(P.AUDIO_WINDOWS)
         g_text, g_audio = float(options["text_guidance"]), float(options["audio_guidance"])
         with self.timings.model("a2v"):
-            audio = dit.audio_tokens(windows)  # type: ignore[operator]
-            silent = dit.audio_tokens(torch.zeros_like(windows)) if g_audio != 1.0 else None  # type: ignore[operator]
-            velocity = guided_velocity(dit, cond, values.get(P.DIT_CONTEXT), audio, silent, g_text, g_audio)
+            audio = cat([dit.audio_tokens(w.audio_windows) for w in prepared], 1)  # type: ignore[operator]
+            silent = (cat([dit.audio_tokens(torch.zeros_like(w.audio_windows)) for w in prepared], 1)  # type: ignore[operator]
+                      if g_audio != 1.0 else None)
+            velocity = guided_velocity(dit, cat([w.cond for w in prepared], 2), first.context, audio, silent,
+                                       g_text, g_audio, windows=sizes if packed else None)
             sampler = WanEulerSampler(int(options["steps"]), float(options["shift"]))
-            x0 = sampler.sample(velocity, noise, clean.to(noise.dtype), known_BT)
-        g0 = step.generate.start - step.window.start
-        values.put(P.STEP_LATENTS, x0[:, :, g0 : g0 + len(step.generate)].contiguous())
+            noise = cat([w.noise for w in prepared], 2)
+            x0 = sampler.sample(velocity, noise, cat([w.clean for w in prepared], 2).to(noise.dtype),
+                                cat([w.known_BT for w in prepared], 1))
+        out: list[dict[Port[Any], object]] = []
+        for w, x0_w in zip(prepared, torch.split(x0, list(sizes), dim=2) if packed else [x0], strict=True):
+            g0 = w.step.generate.start - w.step.window.start
+            out.append({P.STEP_LATENTS: x0_w[:, :, g0 : g0 + len(w.step.generate)].contiguous()})
+        return out
 
     def reencode(self, latents: Tensor, n: int) -> Tensor:
         """Upstream's motion frames: decode ``latents`` on their own, encode the last ``1 + 4(n - 1)``
@@ -91,9 +118,25 @@ class WanA2VStage(Stage):
         return out.to(latents.dtype)
 
 
+@dataclass(frozen=True)
+class _Window:
+    """What one step's sampling needs (:meth:`WanA2VStage.prepare`)."""
+
+    step: ChunkStep
+    noise: Tensor
+    cond: Tensor
+    clean: Tensor
+    known_BT: Tensor
+    audio_windows: Tensor
+    options: dict[str, Any]  # job values: the same for every window
+    context: tuple[Tensor, Tensor]
+
+
 def guided_velocity(dit: object, cond: Tensor, context: tuple[Tensor, Tensor], audio: Tensor,
-                    silent: Tensor | None, g_text: float, g_audio: float) -> Callable[[Tensor, Tensor], Tensor]:
-    """The sampler's ``velocity(x, t)``: every guidance branch in one batched DiT forward."""
+                    silent: Tensor | None, g_text: float, g_audio: float, *,
+                    windows: tuple[int, ...] | None = None) -> Callable[[Tensor, Tensor], Tensor]:
+    """The sampler's ``velocity(x, t)``: every guidance branch in one batched DiT forward (over
+    several windows packed along T: ``windows``, their latent frame counts)."""
     text_ctx, image_ctx = context
     if g_text != 1.0 and silent is not None:
         branches = [(0, audio), (1, audio), (1, silent)]  # cond, drop-text, uncond
@@ -111,7 +154,8 @@ def guided_velocity(dit: object, cond: Tensor, context: tuple[Tensor, Tensor], a
 
     def velocity(x_BCThw: Tensor, t: Tensor) -> Tensor:
         t_B = (t.reshape(-1)[:1] * NUM_TIMESTEPS).expand(nb)
-        v = dit(x_BCThw.expand(nb, *x_BCThw.shape[1:]), cond_nb, t_B, ctx_nb, audio_nb)  # type: ignore[operator]
+        v = dit(x_BCThw.expand(nb, *x_BCThw.shape[1:]), cond_nb, t_B, ctx_nb, audio_nb,  # type: ignore[operator]
+                windows=windows)
         v = v.to(x_BCThw.dtype)
         if nb == 1:
             return v  # type: ignore[no-any-return]
