@@ -161,6 +161,27 @@ def _tree_memory(pid: int) -> dict[str, int]:
             "rank_rss": rank_rss, "rank_anon": rank_anon}
 
 
+def _peak_since_reset(pid: int) -> int:
+    """``pid``'s peak resident bytes since the last call (``VmHWM``, then reset to the current RSS
+    through ``/proc/<pid>/clear_refs``, as ``bench.stream`` does per minute of video); 0 when gone."""
+    peak = 0
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                peak = int(line.split()[1]) * 1024
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError:
+        pass
+    return peak
+
+
+def _tree_peaks(pid: int) -> dict[str, int]:
+    """Peak resident bytes since the last call: the worker process, and its descendants (the rank;
+    the sum of their peaks)."""
+    pids = _tree(pid)
+    return {"worker_peak": _peak_since_reset(pids[0]), "rank_peak": sum(_peak_since_reset(p) for p in pids[1:])}
+
+
 def _tree_rss(pid: int) -> int:
     """Resident bytes of ``pid`` and its descendants (0 when gone)."""
     return _tree_memory(pid)["rss"]
@@ -228,11 +249,18 @@ def run(
 
     # (elapsed s, fraction of frames done, memory of the workers' trees: see _tree_memory)
     samples: list[tuple[float, float, dict[str, int]]] = []
+    # per minute of wall time: each part's peak over that minute (_tree_peaks; single samples of a
+    # rank swing by an emission's tensors, its peaks per minute do not)
+    minute_peaks: list[tuple[float, float, dict[str, int]]] = []
     samples_file = samples_path.open("a") if samples_path else None
 
     def wait(ids: list[str], timeout: float) -> list[Any]:
         deadline = time.monotonic() + timeout
         t0, next_sample = time.monotonic(), 0.0
+        next_minute = t0 + 60.0
+        if load_only:
+            for w in pool:
+                _tree_peaks(w.proc.pid)  # start the first minute now
         while True:
             recs = [store.get(i) for i in ids]
             if all(r is not None and r.status in ("succeeded", "failed", "cancelled") for r in recs):
@@ -250,6 +278,17 @@ def run(
                                                    **{k: round(v / 2**20, 2) for k, v in mem.items()}}) + "\n")
                     samples_file.flush()
                 next_sample = time.monotonic() + 10.0
+            if load_only and time.monotonic() >= next_minute:
+                peaks: dict[str, int] = {}
+                for w in pool:
+                    for k, v in _tree_peaks(w.proc.pid).items():
+                        peaks[k] = peaks.get(k, 0) + v
+                minute_peaks.append((time.monotonic() - t0, samples[-1][1] if samples else 0.0, peaks))
+                if samples_file:
+                    samples_file.write(json.dumps({"t": round(minute_peaks[-1][0], 1), "minute_peaks_mb": {
+                        k: round(v / 2**20, 2) for k, v in peaks.items()}}) + "\n")
+                    samples_file.flush()
+                next_minute += 60.0
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not done after {timeout} s: {[(r.id[:8], r.status, r.chunks_done) for r in recs if r]}")
             time.sleep(0.5)
@@ -297,6 +336,11 @@ def run(
                     k: [round(sum(m[k] for _, m in h) / len(h) / 2**20, 1) if h else None
                         for h in (late[: len(late) // 2], late[len(late) // 2:])] for k in parts},
                 "peak_rss_mb_by_quarter": quarters,
+                "peak_mb_per_minute_by_part": {
+                    k: [round(m[k] / 2**20, 1) for _, _, m in minute_peaks] for k in ("worker_peak", "rank_peak")},
+                "peak_slope_mb_per_10_min_by_part": {  # after the first tenth, as the slopes above
+                    k: _slope_mb_per_10_min([(t, m[k]) for t, f, m in minute_peaks if f >= 0.1])
+                    for k in ("worker_peak", "rank_peak")},
                 # the first quarter holds the warm-up (models loaded, encoder primed): compare after it
                 "last_over_second_quarter": round(quarters[3] / quarters[1], 4)
                 if quarters[1] and quarters[3] else None,
