@@ -356,20 +356,54 @@ def sheet_times(num_frames: int, chunk_frames: int = 16) -> list[int]:
     return [0, seam - 1, seam, num_frames - 1] if num_frames > seam + 1 else [0, num_frames // 2, num_frames - 1]
 
 
-def run_fidelity(num_identities: int, seconds: float, seed: int, render_fn: RenderFnLike,
-                 sheet: Path | None = None, log_fn: Callable[[str], None] | None = None) -> dict[str, object]:
-    """For held-out identities ``0 .. num_identities - 1`` (seeds 1 000 000 + K): held-out speech of
-    ``seconds`` (seed ``seed + K``), the model's clip (``render_fn`` with I chunks) and the
-    generator's clip of the same identity and audio (motion seed ``seed + 17``, as
-    ``bench.quality --ground-truth``), both scored by a :class:`FidelityMeter` on the model's seams.
-    The sheet shows identity 0 and then the first identities wearing an accessory not shown yet
-    (three at most). Model frames of one clip are held until scored (short clips: seconds).
-    Returns ``{"identities": [per identity], "aggregate": aggregate(...)}``."""
+# clip_fn(ground-truth renderer, audio) -> (the clip's final frames, its chunk seams)
+ClipFn = Callable[[AvatarRenderer, np.ndarray], tuple[list[np.ndarray], Sequence[int]]]
+
+
+def pipeline_clip(render_fn: RenderFnLike, seconds: float) -> ClipFn:
+    """The model's clip: ``render_fn`` (the real pipeline, with I chunks) on the identity's reference
+    and the audio, written to a temporary folder; its first ``seconds`` of frames."""
     import tempfile
 
-    from bench.quality import heldout_speech, normalize_loudness, write_wav
+    from bench.quality import write_wav
+    from models.avatars.dataset import FPS
+
+    n = math.ceil(seconds * FPS)
+
+    def clip(gt: AvatarRenderer, audio: np.ndarray) -> tuple[list[np.ndarray], Sequence[int]]:
+        with tempfile.TemporaryDirectory(prefix="fidelity-") as tmp:
+            tmpd = Path(tmp)
+            Image.fromarray(gt.reference()).save(tmpd / "reference.png")
+            write_wav(tmpd / "audio.wav", audio)
+            frames, bounds = render_fn(tmpd / "reference.png", tmpd / "audio.wav", seconds, True, tmpd)
+            out: list[np.ndarray] = []
+            for frame in frames:
+                if len(out) >= n:
+                    break
+                out.append(np.asarray(frame))
+        return out, bounds
+
+    return clip
+
+
+def run_fidelity(num_identities: int, seconds: float, seed: int, render_fn: RenderFnLike | None,
+                 sheet: Path | None = None, log_fn: Callable[[str], None] | None = None, *,
+                 clip_fn: ClipFn | None = None) -> dict[str, object]:
+    """For held-out identities ``0 .. num_identities - 1`` (seeds 1 000 000 + K): held-out speech of
+    ``seconds`` (seed ``seed + K``), the model's clip (``render_fn`` with I chunks, or ``clip_fn``:
+    e.g. ``bench.reconstruction``'s chain upper bounds) and the generator's clip of the same
+    identity and audio (motion seed ``seed + 17``, as ``bench.quality --ground-truth``), both scored
+    by a :class:`FidelityMeter` on the model's seams. The sheet shows identity 0 and then the first
+    identities wearing an accessory not shown yet (three at most). Model frames of one clip are held
+    until scored (short clips: seconds).
+    Returns ``{"identities": [per identity], "aggregate": aggregate(...)}``."""
+    from bench.quality import heldout_speech, normalize_loudness
     from models.avatars.dataset import FPS, IDENTITY_SPLITS
 
+    if clip_fn is None:
+        if render_fn is None:
+            raise ValueError("run_fidelity needs render_fn or clip_fn")
+        clip_fn = pipeline_clip(render_fn, seconds)
     n = math.ceil(seconds * FPS)
     times = sheet_times(n)
     rows: list[dict[str, object]] = []
@@ -379,23 +413,16 @@ def run_fidelity(num_identities: int, seconds: float, seed: int, render_fn: Rend
         gt = AvatarRenderer(ident, motion_seed=seed + 17)
         audio = normalize_loudness(heldout_speech(seconds, seed + k))
         truth_meter, truths, gt_frames = FidelityMeter(gt), [], []
-        with tempfile.TemporaryDirectory(prefix="fidelity-") as tmp:
-            tmpd = Path(tmp)
-            Image.fromarray(gt.reference()).save(tmpd / "reference.png")
-            write_wav(tmpd / "audio.wav", audio)
-            frames, bounds = render_fn(tmpd / "reference.png", tmpd / "audio.wav", seconds, True, tmpd)
-            model_meter, model_frames = FidelityMeter(gt), []
-            for t, frame in enumerate(frames):
-                if t >= n:
-                    break
-                model_frames.append(np.asarray(frame))
-            for t, (frame, truth) in enumerate(gt.stream(audio, num_frames=len(model_frames))):
-                truths.append(truth)
-                truth_meter.add(frame, truth.mouth_open, truth.mouth_width)
-                if t in times:
-                    gt_frames.append(frame)
-            for frame, truth in zip(model_frames, truths, strict=True):
-                model_meter.add(frame, truth.mouth_open, truth.mouth_width)
+        model_frames, bounds = clip_fn(gt, audio)
+        model_frames = model_frames[:n]
+        model_meter = FidelityMeter(gt)
+        for t, (frame, truth) in enumerate(gt.stream(audio, num_frames=len(model_frames))):
+            truths.append(truth)
+            truth_meter.add(frame, truth.mouth_open, truth.mouth_width)
+            if t in times:
+                gt_frames.append(frame)
+        for frame, truth in zip(model_frames, truths, strict=True):
+            model_meter.add(frame, truth.mouth_open, truth.mouth_width)
         bounds = [int(b) for b in bounds]
         model_s, truth_s = model_meter.summary(bounds), truth_meter.summary(bounds)
         accs = list(gt.identity.accessories)

@@ -2,6 +2,11 @@
 and PSNR after the VAE alone, and after encode -> to_lowres -> SR -> decode (what a perfect A2V
 would give). Separates what the autoencoder / SR lose from what the A2V DiT loses.
 
+``python -m bench.reconstruction --fidelity [--identities 20] [--seconds 4]`` scores the same two
+chains with ``bench.fidelity`` (per-region distance, SSIM, accessory presence against ground truth,
+over held-out identities, :func:`fidelity_bounds`): how much of the reference the autoencoder and
+the SR keep before the A2V has drawn anything — where identity is lost (issue 15).
+
 Who calls what: ``python -m bench.reconstruction 10`` (seconds) while training. Scoring a checkpoint's
 *renders* is ``bench.quality``'s model mode, which scores the frames of the real pipeline
 (``bench.quality_render``: ``render()`` with a frame tap), so there is one renderer.
@@ -10,13 +15,16 @@ Who calls what: ``python -m bench.reconstruction 10`` (seconds) while training. 
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from bench.quality import QualityMeter, heldout_speech
+from models.avatars.dataset import FPS
 from models.checkpoint import build_modules, load_checkpoint
 from models.presets import ModelPreset, get_preset
 from models.training.common import REPO_ROOT
@@ -56,12 +64,9 @@ def reconstruction_report(seconds: float = 20.0, identity: int = 0, seed: int = 
 
     def flush() -> None:
         x = to_unit(np.stack(batch)).transpose(0, 1)[None]  # (1, 3, T, H, W)
-        z = mods["vae"].encode(x)
-        outs = {"vae": mods["vae"].decode(z)[0],
-                "sr": mods["vae"].decode(mods["sr"](mods["vae"].to_lowres(z), ref_z))[0]}
-        for k, y in outs.items():
+        for k, (y, frames) in _chains(mods, x, ref_z).items():
             errs[k].append(psnr(y, x))
-            for f in ((y[0].permute(1, 2, 3, 0) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).numpy():
+            for f in frames:
                 meters[k].add(f)
         for f in batch:
             meters["gt"].add(f)
@@ -84,9 +89,78 @@ def reconstruction_report(seconds: float = 20.0, identity: int = 0, seed: int = 
     return out
 
 
-if __name__ == "__main__":
-    import json
-    import sys
+CHAIN_BATCH = 16  # frames encoded together (the causal VAE's chunk; its seams are the clip's seams)
 
-    torch.set_num_threads(2)
-    print(json.dumps(reconstruction_report(float(sys.argv[1]) if len(sys.argv) > 1 else 20.0)))
+
+def _chains(mods: dict[str, torch.nn.Module], x: torch.Tensor, ref_z: torch.Tensor,
+            names: tuple[str, ...] = ("vae", "sr")) -> dict[str, tuple[torch.Tensor, list[np.ndarray]]]:
+    """Frames ``x`` (1, 3, T, H, W) in [-1, 1] through encode -> decode ("vae") and/or encode ->
+    to_lowres -> SR -> decode ("sr"): each chain's output tensor and its uint8 frames."""
+    vae = mods["vae"]
+    z = vae.encode(x)  # type: ignore[operator]
+    outs = {name: (vae.decode(z) if name == "vae" else vae.decode(mods["sr"](vae.to_lowres(z), ref_z)))[0]  # type: ignore[operator]
+            for name in names}
+    return {k: (y, list(((y[0].permute(1, 2, 3, 0) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).numpy()))
+            for k, y in outs.items()}
+
+
+@torch.inference_mode()
+def fidelity_bounds(num_identities: int = 20, seconds: float = 4.0, seed: int = 0,
+                    checkpoint: Path | None = None) -> dict[str, object]:
+    """``bench.fidelity`` over the chains' outputs of the ground-truth clips (the same identities,
+    audio and statistics as ``bench.quality --fidelity``): ``{"vae": result, "sr": result}``, each
+    with its per-identity rows and aggregate (model / ground truth ratios)."""
+    from bench.fidelity import run_fidelity
+    from models.avatars.dataset import AvatarRenderer
+    from models.training.data import to_unit
+
+    mods, _ = load_modules(checkpoint)
+
+    def chain_clip(name: str) -> Callable[[AvatarRenderer, np.ndarray], tuple[list[np.ndarray], list[int]]]:
+        def clip(gt: AvatarRenderer, audio: np.ndarray) -> tuple[list[np.ndarray], list[int]]:
+            ref_z = mods["vae"].encode(to_unit(gt.reference())[None, :, None])[:, :, 0]  # type: ignore[operator]
+            n = math.ceil(seconds * FPS)
+            truth = [frame for frame, _ in gt.stream(audio, num_frames=n)]
+            out: list[np.ndarray] = []
+            for i in range(0, n, CHAIN_BATCH):
+                x = to_unit(np.stack(truth[i : i + CHAIN_BATCH])).transpose(0, 1)[None]
+                out += _chains(mods, x, ref_z, (name,))[name][1]
+            return out, list(range(CHAIN_BATCH, n, CHAIN_BATCH))
+
+        return clip
+
+    return {name: run_fidelity(num_identities, seconds, seed, None, clip_fn=chain_clip(name)) for name in ("vae", "sr")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m bench.reconstruction", description=__doc__.split("\n\n")[0])
+    p.add_argument("seconds", type=float, nargs="?", default=None,
+                   help="lip sync / PSNR report: seconds of held-out speech (default 20); --fidelity: clip length (default 4)")
+    p.add_argument("--seconds", dest="seconds_flag", type=float, default=None, help="the same as SECONDS")
+    p.add_argument("--fidelity", action="store_true", help="identity fidelity of the chains (bench.fidelity)")
+    p.add_argument("--identities", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--markdown", action="store_true", help="--fidelity: the aggregates as Markdown tables")
+    a = p.parse_args(argv)
+    seconds = a.seconds_flag if a.seconds_flag is not None else a.seconds
+    torch.set_num_threads(a.threads)
+    if not a.fidelity:
+        print(json.dumps(reconstruction_report(seconds or 20.0, seed=a.seed)))
+        return 0
+    from bench.fidelity import markdown_table
+
+    result = fidelity_bounds(a.identities, seconds or 4.0, a.seed)
+    if a.markdown:
+        for name, r in result.items():
+            print(f"### {name}\n\n{markdown_table(r)}\n")
+    else:
+        print(json.dumps({k: v["aggregate"] for k, v in result.items()}))  # type: ignore[index]
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -153,3 +153,21 @@ def test_contact_sheet_layout(tmp_path: Path) -> None:
     contact_sheet([("a", f, [f, f], [f, f]), ("b", f, [f, f], [f, f])], [0, 5], tmp_path / "s.png", tile=32)
     img = np.asarray(Image.open(tmp_path / "s.png"))
     assert img.shape[0] > 2 * 2 * 32 and img.shape[1] > 3 * 32
+
+
+def test_chain_upper_bounds_score_the_autoencoder_and_the_sr() -> None:
+    """bench.reconstruction --fidelity: the shipped checkpoint's encode -> decode and encode ->
+    to_lowres -> SR -> decode of a ground-truth clip, scored like a model's clip; with a clip_fn
+    that returns the ground truth itself every ratio is exactly 1."""
+    from bench.reconstruction import fidelity_bounds
+
+    exact = run_fidelity(1, 0.64, 0, None, clip_fn=lambda gt, audio: (
+        [f for f, _ in gt.stream(audio, num_frames=16)], [8]))
+    assert all(v == 1.0 for v in exact["identities"][0]["ratio"].values()), exact["identities"][0]["ratio"]
+    out = fidelity_bounds(num_identities=1, seconds=0.64)
+    vae, sr = (out[k]["identities"][0] for k in ("vae", "sr"))  # type: ignore[index]
+    assert vae["frames"] == sr["frames"] == 16
+    # the chains lose detail (ratios above 1) and the SR path, from a 4x smaller latent, loses more
+    assert vae["ratio"]["dssim_head"] > 1.0 and sr["model"]["ssim_head"] < vae["model"]["ssim_head"]
+    with pytest.raises(ValueError, match="render_fn or clip_fn"):
+        run_fidelity(1, 0.64, 0, None)
