@@ -60,10 +60,10 @@ class SinkRelay:
     ``on_fragment`` sees each fragment before the sinks; ``on_progress`` each progress record. After
     the sinks have taken a fragment, the free heap goes back to the kernel
     (:func:`~pipeline.host.release_free_heap`, once per fragment, as the rank does once per
-    emission): the worker process allocates and frees each fragment and resume state (hundreds of
-    kB) on its threads' arenas, and without the trim its resident set stepped up over a long job
-    (docs/benchmarks.md, "The worker's heap"). A sink
-    that raises makes ``NodeEngine.run`` ask the job to cancel and re-raise that error (the worker's
+    emission): the worker process allocates and frees each fragment and its resume state (~1.25 MB
+    for the tiny preset) on its threads' arenas, and without the trim its resident set stepped up
+    over a long job (docs/benchmarks.md, "The worker's heap"). A sink that raises makes
+    ``NodeEngine.run`` ask the job to cancel and re-raise that error (the worker's
     lease-lost and upload errors end the render that way); events after it are dropped, so the
     caller then closes the sinks with ``close(ok=False)`` (``opened and not closed`` tells whether
     that is still due).
