@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from bench.inputs import DEMO_AUDIO, DEMO_IMAGE
-from bench.stream import reset_peak_rss
+from pipeline.host import reset_peak_rss
 
 MESSAGE_S = 0.1
 

@@ -7,7 +7,7 @@ chains with ``bench.fidelity`` (per-region distance, SSIM, accessory presence ag
 over held-out identities, :func:`fidelity_bounds`): how much of the reference the autoencoder and
 the SR keep before the A2V has drawn anything — where identity is lost (issue 15).
 
-Who calls what: ``python -m bench.reconstruction 10`` (seconds) while training. Scoring a checkpoint's
+Who calls what: ``python -m bench.reconstruction --seconds 10`` while training. Scoring a checkpoint's
 *renders* is ``bench.quality``'s model mode, which scores the frames of the real pipeline
 (``bench.quality_render``: ``render()`` with a frame tap), so there is one renderer.
 ``LONGTAKE_EVAL_CHECKPOINT`` overrides the checkpoint (default models/checkpoints/tiny.safetensors).
@@ -137,23 +137,21 @@ def main(argv: list[str] | None = None) -> int:
     import json
 
     p = argparse.ArgumentParser(prog="python -m bench.reconstruction", description=__doc__.split("\n\n")[0])
-    p.add_argument("seconds", type=float, nargs="?", default=None,
+    p.add_argument("--seconds", type=float, default=None,
                    help="lip sync / PSNR report: seconds of held-out speech (default 20); --fidelity: clip length (default 4)")
-    p.add_argument("--seconds", dest="seconds_flag", type=float, default=None, help="the same as SECONDS")
     p.add_argument("--fidelity", action="store_true", help="identity fidelity of the chains (bench.fidelity)")
     p.add_argument("--identities", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--markdown", action="store_true", help="--fidelity: the aggregates as Markdown tables")
     a = p.parse_args(argv)
-    seconds = a.seconds_flag if a.seconds_flag is not None else a.seconds
     torch.set_num_threads(a.threads)
     if not a.fidelity:
-        print(json.dumps(reconstruction_report(seconds or 20.0, seed=a.seed)))
+        print(json.dumps(reconstruction_report(a.seconds or 20.0, seed=a.seed)))
         return 0
     from bench.fidelity import markdown_table
 
-    result = fidelity_bounds(a.identities, seconds or 4.0, a.seed)
+    result = fidelity_bounds(a.identities, a.seconds or 4.0, a.seed)
     if a.markdown:
         for name, r in result.items():
             print(f"### {name}\n\n{markdown_table(r)}\n")

@@ -162,16 +162,12 @@ def _tree_memory(pid: int) -> dict[str, int]:
 
 
 def _peak_since_reset(pid: int) -> int:
-    """``pid``'s peak resident bytes since the last call (``VmHWM``, then reset to the current RSS
-    through ``/proc/<pid>/clear_refs``, as ``bench.stream`` does per minute of video); 0 when gone."""
-    peak = 0
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                peak = int(line.split()[1]) * 1024
-        Path(f"/proc/{pid}/clear_refs").write_text("5")
-    except OSError:
-        pass
+    """``pid``'s peak resident bytes since the last call: its ``VmHWM``, then reset to its current
+    RSS (as ``bench.stream`` does per minute of video); 0 when gone."""
+    from pipeline.host import peak_rss_bytes, reset_peak_rss
+
+    peak = peak_rss_bytes(pid)
+    reset_peak_rss(pid)
     return peak
 
 

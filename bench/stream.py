@@ -35,16 +35,7 @@ import torch
 
 from bench.inputs import DEMO_IMAGE, speech_wav
 from bench.memprofile import slope_per_10min
-
-
-def reset_peak_rss() -> bool:
-    """Start ``VmHWM`` over from the current RSS (Linux >= 4.0); False where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return True
+from pipeline.host import reset_peak_rss
 
 
 def process_cpu_s() -> float:

@@ -21,18 +21,30 @@ def default_threads(processes: int = 1) -> int:
     return max(1, cores // max(1, processes) - 1)
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory. Linux: ``VmHWM`` of the current address space —
-    ``ru_maxrss`` survives ``exec`` and would report the parent's size for a process started by a
-    large one (a test runner, a worker)."""
+def peak_rss_bytes(pid: int | None = None) -> int:
+    """Peak resident memory of this process (or of ``pid``; 0 when it is gone). Linux: ``VmHWM`` of
+    the current address space — ``ru_maxrss`` survives ``exec`` and would report the parent's size
+    for a process started by a large one (a test runner, a worker); it is the fallback for this
+    process only."""
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{pid or 'self'}/status") as f:
             for line in f:
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 if pid is None else 0
+
+
+def reset_peak_rss(pid: int | None = None) -> bool:
+    """Start ``VmHWM`` of this process (or of ``pid``) over from its current RSS (Linux >= 4.0,
+    ``/proc/<pid>/clear_refs``); False where that is not possible."""
+    try:
+        with open(f"/proc/{pid or 'self'}/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
 
 
 def _load_malloc_trim() -> Callable[[int], int] | None:

@@ -195,22 +195,13 @@ def profile(num_fragments: int, at: tuple[int, int], *, frames: int = 30, part_k
     }
 
 
-def _resident_mb() -> dict[str, float]:
-    out: dict[str, float] = {}
-    with open("/proc/self/smaps_rollup") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("Rss", "Anonymous"):
-                out[key.lower()] = int(value.split()[0]) / 1024
-    return out
-
-
 def rss_profile(num_fragments: int, every: int, *, trim: bool = True, fragment_kib: int = 36,
                 state_kib: int = 1250, sleep_s: float = 0.01) -> dict[str, Any]:
     """This process's resident and anonymous MB every ``every`` commits of a job whose fragments
     and resume states have a real tiny job's sizes, with the relay's per-fragment heap trim
     (``trim``, the production code) or without it (the relay's ``release_free_heap`` replaced by a
     no-op here); the least-squares slope after the first fifth, in MB per 1000 fragments."""
+    from bench.memprofile import slope_per_10min, smaps_rollup
     from pipeline.placement import relay
 
     if not trim:
@@ -220,19 +211,19 @@ def rss_profile(num_fragments: int, every: int, *, trim: bool = True, fragment_k
 
     def on_commit(index: int) -> None:
         if index % every == 0:
-            samples.append({"fragment": index, "t": round(time.monotonic() - t0, 1), **_resident_mb()})
+            mem = smaps_rollup()
+            samples.append({"fragment": index, "t": round(time.monotonic() - t0, 1), "rss": mem["rss"] / 2**20,
+                            "anonymous": mem["anon"] / 2**20})
 
     outcome = run_job(num_fragments, on_commit, part_kib=5 << 10, fragment_bytes=fragment_kib << 10,
                       state_bytes=state_kib << 10, sleep_s=sleep_s)
     tail = samples[len(samples) // 5 :]
-    xs = [s["fragment"] for s in tail]
     ys = [s["rss"] for s in tail]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    slope = slope_per_10min([s["fragment"] for s in tail], ys) / 600  # MB per fragment
     return {
         "fragments": num_fragments, "trim": trim, "outcome": outcome, "fragment_kib": fragment_kib,
         "state_kib": state_kib, "samples": samples,
-        "rss_mb_after_first_fifth": {"min": min(ys), "max": max(ys), "mean": round(my, 1)},
+        "rss_mb_after_first_fifth": {"min": min(ys), "max": max(ys), "mean": round(sum(ys) / len(ys), 1)},
         "rss_slope_mb_per_1000_fragments": round(slope * 1000, 3),
     }
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -17,8 +16,8 @@ def test_peaks_per_minute_see_a_spike_between_samples_and_then_reset() -> None:
                              stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "freed"
-        first = _tree_peaks(os.getpid())
-        assert first["rank_peak"] > 200 << 20  # the child's peak, summed over this process's descendants
+        peaks = _tree_peaks(child.pid)  # the child is the "worker" of its own tree: no descendants
+        assert peaks["worker_peak"] > 200 << 20 and peaks["rank_peak"] == 0
         again = _peak_since_reset(child.pid)
         assert 0 < again < 100 << 20  # reset to its current resident set, far below the spike
     finally:
