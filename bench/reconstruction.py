@@ -90,6 +90,7 @@ def reconstruction_report(seconds: float = 20.0, identity: int = 0, seed: int = 
 
 
 CHAIN_BATCH = 16  # frames encoded together (the causal VAE's chunk; its seams are the clip's seams)
+CHAINS = ("vae", "sr")  # encode -> decode; encode -> to_lowres -> SR -> decode
 
 
 def _chains(mods: dict[str, torch.nn.Module], x: torch.Tensor, ref_z: torch.Tensor,
@@ -106,10 +107,10 @@ def _chains(mods: dict[str, torch.nn.Module], x: torch.Tensor, ref_z: torch.Tens
 
 @torch.inference_mode()
 def fidelity_bounds(num_identities: int = 20, seconds: float = 4.0, seed: int = 0,
-                    checkpoint: Path | None = None) -> dict[str, object]:
+                    checkpoint: Path | None = None, chains: tuple[str, ...] = CHAINS) -> dict[str, object]:
     """``bench.fidelity`` over the chains' outputs of the ground-truth clips (the same identities,
-    audio and statistics as ``bench.quality --fidelity``): ``{"vae": result, "sr": result}``, each
-    with its per-identity rows and aggregate (model / ground truth ratios)."""
+    audio and statistics as ``bench.quality --fidelity``): ``{"vae": result, "sr": result}`` (the
+    ``chains`` asked for), each with its per-identity rows and aggregate (model / ground truth ratios)."""
     from bench.fidelity import run_fidelity
     from models.avatars.dataset import AvatarRenderer
     from models.training.data import to_unit
@@ -129,7 +130,7 @@ def fidelity_bounds(num_identities: int = 20, seconds: float = 4.0, seed: int = 
 
         return clip
 
-    return {name: run_fidelity(num_identities, seconds, seed, None, clip_fn=chain_clip(name)) for name in ("vae", "sr")}
+    return {name: run_fidelity(num_identities, seconds, seed, None, clip_fn=chain_clip(name)) for name in chains}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,14 +145,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--markdown", action="store_true", help="--fidelity: the aggregates as Markdown tables")
+    p.add_argument("--chains", default=",".join(CHAINS),
+                   help="--fidelity: comma-separated chains to score, of vae (encode -> decode) and sr (encode -> "
+                        "to_lowres -> SR -> decode); vae alone scores an autoencoder whose SR was not trained on it")
+    p.add_argument("--checkpoint", type=Path, default=None,
+                   help="the checkpoint to score (default: $LONGTAKE_EVAL_CHECKPOINT, else the shipped one)")
     a = p.parse_args(argv)
+    chains = tuple(c.strip() for c in a.chains.split(",") if c.strip())
+    if not chains or set(chains) - set(CHAINS):
+        p.error(f"--chains {a.chains!r}: give one or more of {', '.join(CHAINS)}, comma-separated")
     torch.set_num_threads(a.threads)
     if not a.fidelity:
-        print(json.dumps(reconstruction_report(a.seconds or 20.0, seed=a.seed)))
+        print(json.dumps(reconstruction_report(a.seconds or 20.0, seed=a.seed, checkpoint=a.checkpoint)))
         return 0
     from bench.fidelity import markdown_table
 
-    result = fidelity_bounds(a.identities, a.seconds or 4.0, a.seed)
+    result = fidelity_bounds(a.identities, a.seconds or 4.0, a.seed, a.checkpoint, chains)
     if a.markdown:
         for name, r in result.items():
             print(f"### {name}\n\n{markdown_table(r)}\n")

@@ -22,11 +22,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models.avatars.dataset import IDENTITY_SPLITS, AvatarRenderer, render_clip
+from models.avatars.dataset import IDENTITY_SPLITS, AvatarRenderer, FrameTruth, render_clip
 from models.avatars.speech import SpeechSynth
 from models.vae import CausalVAE
 
 log = logging.getLogger(__name__)
+
+# the small features a viewer reads identity from (models.avatars.face.REGIONS): what detail-weighted
+# losses (``train_vae --detail-weight``) weight; skin, hair, hat and background keep weight 1
+DETAIL_REGIONS: tuple[str, ...] = ("brows", "nose", "earrings", "glasses", "eyes", "lips", "mouth")
 
 
 def to_unit(rgb_uint8: np.ndarray) -> torch.Tensor:
@@ -60,8 +64,23 @@ class FrameSampler:
     def batch_with_reference(self, gen: torch.Generator, batch: int, crop: int | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor]:
         """(frames, the identities' neutral reference frames), both ``(B, 3, 1, S, S)``."""
+        x, refs, _ = self.draw(gen, batch, crop)
+        return x, refs
+
+    def batch_with_detail(self, gen: torch.Generator, batch: int, crop: int | None = None,
+                          regions: tuple[str, ...] = DETAIL_REGIONS) -> tuple[torch.Tensor, torch.Tensor]:
+        """(frames ``(B, 3, 1, S, S)``, detail ``(B, 1, 1, S, S)``): the same frames as :meth:`batch`
+        for the same generator, and the coverage in [0, 1] of ``regions`` in each (the generator's
+        region masks, occlusion included), for losses that weight the features of the face."""
+        x, _, detail = self.draw(gen, batch, crop, regions)
+        assert detail is not None
+        return x, detail
+
+    def draw(self, gen: torch.Generator, batch: int, crop: int | None = None,
+             regions: tuple[str, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(frames, references, the coverage of ``regions`` or None): what the methods above return."""
         lo, hi = IDENTITY_SPLITS[self.split]
-        out, refs = [], []
+        out, refs, details = [], [], []
         for _ in range(batch):
             u = torch.rand(5, generator=gen).tolist()
             ident = lo + int(torch.randint(hi - lo, (1,), generator=gen))
@@ -69,16 +88,26 @@ class FrameSampler:
             frame_idx = int(torch.randint(100_000, (1,), generator=gen))
             # mouths are open in about 2/3 of speech frames: draw half the frames wide open-ish
             mouth_open = u[0] if u[1] < 0.7 else 0.0
-            img, _ = r.frame(frame_idx, mouth_open, u[2])
+            img, truth = r.frame(frame_idx, mouth_open, u[2])
             if u[3] < 0.1:  # the neutral reference frame itself (what the pipeline encodes)
                 img = r.reference()
+                truth = FrameTruth(0.0, truth.mouth_box, truth.face_box)  # neutral pose, mouth, eyes
             x = to_unit(img)
             refs.append(to_unit(r.reference()))
+            d = None
+            if regions is not None:
+                masks = r.face.region_masks(truth.pose, truth.mouth_open, truth.mouth_width, truth.blink,
+                                            names=regions)
+                d = torch.from_numpy(np.clip(sum(masks.values()), 0.0, 1.0))[None]  # (1, S, S)
             if crop is not None and crop < self.size:
                 y0, x0 = (int(v) for v in torch.randint(0, (self.size - crop) // 8 + 1, (2,), generator=gen) * 8)
                 x = x[:, y0 : y0 + crop, x0 : x0 + crop]
+                d = None if d is None else d[:, y0 : y0 + crop, x0 : x0 + crop]
             out.append(x)
-        return torch.stack(out)[:, :, None], torch.stack(refs)[:, :, None]
+            if d is not None:
+                details.append(d)
+        detail = torch.stack(details)[:, :, None] if regions is not None else None
+        return torch.stack(out)[:, :, None], torch.stack(refs)[:, :, None], detail
 
 
 def heldout_frames(count: int, size: int = 256, seed: int = 12345) -> torch.Tensor:

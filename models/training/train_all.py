@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from models.checkpoint import build_modules, save_checkpoint
+from models.checkpoint import build_modules, load_checkpoint, save_checkpoint
 from models.presets import ModelPreset, get_preset
 from models.training.common import DEFAULT_CACHE, REPO_ROOT, TrainState, git_commit, setup_logging
 from models.training.data import build_latent_cache
@@ -60,18 +60,29 @@ def final_vae(preset: ModelPreset, cache_dir: Path) -> CausalVAE:
     return vae.eval().requires_grad_(False)
 
 
-def chain_decoder(preset: ModelPreset, cache_dir: Path, minutes: float, seed: int) -> dict[str, float]:
+def chain_decoder(preset: ModelPreset, cache_dir: Path, minutes: float, seed: int, *, detail_weight: float = 0.0,
+                  base: Path | None = None) -> dict[str, float]:
     """Last VAE stage: the decoder (from the decoder-only stage if it ran) fine-tuned on the frozen
-    EMA SR model's outputs, i.e. on exactly what the pipeline decodes."""
+    EMA SR model's outputs, i.e. on exactly what the pipeline decodes. The SR is this run's
+    (``sr_state.pt``) or, when this run trained none, ``base``'s: with ``--stage reuse-vae --from
+    BASE`` first, that fine-tunes a shipped checkpoint's decoder alone (its encoder, so its A2V and
+    SR stay valid)."""
     state = cache_dir / "vae_chain_state.pt"
     vae = final_vae(preset, cache_dir)
     dec_state = cache_dir / "vae_decoder_state.pt"
     if not state.is_file() and dec_state.is_file():
         vae.load_state_dict(torch.load(dec_state, map_location="cpu", weights_only=False)["modules"]["vae"])
     sr = build_modules(preset, seed)["sr"]
-    sr.load_state_dict(torch.load(cache_dir / "sr_state.pt", map_location="cpu", weights_only=False)["modules"]["ema_sr"])
+    sr_state = cache_dir / "sr_state.pt"
+    if sr_state.is_file():
+        sr.load_state_dict(torch.load(sr_state, map_location="cpu", weights_only=False)["modules"]["ema_sr"])
+    elif base is not None:
+        load_checkpoint({"sr": sr}, base)
+    else:
+        raise FileNotFoundError(f"{sr_state} does not exist: train the SR first (train_sr), or pass --from "
+                                "CHECKPOINT to fine-tune the decoder on that checkpoint's SR")
     sr.eval().requires_grad_(False)
-    return train_decoder(preset, vae, state, minutes=minutes, seed=seed, sr=sr)
+    return train_decoder(preset, vae, state, minutes=minutes, seed=seed, sr=sr, detail_weight=detail_weight)
 
 
 def reuse_vae(preset: ModelPreset, cache_dir: Path, checkpoint: Path) -> None:
@@ -100,9 +111,14 @@ def _state(path: Path) -> TrainState:
 
 
 def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: int,
-                        extra_meta: dict[str, str] | None = None) -> dict[str, str]:
-    """Collect the trained weights (EMA where kept) into one safetensors checkpoint; returns metadata."""
+                        extra_meta: dict[str, str] | None = None, base: Path | None = None) -> dict[str, str]:
+    """Collect the trained weights (EMA where kept) into one safetensors checkpoint; returns metadata.
+
+    With ``base`` (a checkpoint of the same preset) every module this run did not train (no
+    ``a2v_state.pt``: A2V and audio; no ``sr_state.pt``: SR) keeps ``base``'s weights, and ``base``'s
+    metadata for them is carried; without it every stage must have run."""
     mods = build_modules(preset, seed)
+    base_meta = load_checkpoint(mods, base) if base is not None else {}
     dec_state = cache_dir / "vae_decoder_state.pt"
     chain_state = cache_dir / "vae_chain_state.pt"
     if chain_state.is_file():  # decoder fine-tuned on SR outputs (same encoder weights)
@@ -112,12 +128,26 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
     else:
         vae_sd = final_vae(preset, cache_dir).state_dict()
     mods["vae"].load_state_dict(vae_sd)
-    a2v = torch.load(cache_dir / "a2v_state.pt", map_location="cpu", weights_only=False)
-    mods["a2v"].load_state_dict(a2v["modules"]["ema_a2v"])
-    mods["audio"].load_state_dict(a2v["modules"]["ema_audio"])
-    sr = torch.load(cache_dir / "sr_state.pt", map_location="cpu", weights_only=False)
-    mods["sr"].load_state_dict(sr["modules"]["ema_sr"])
-    st_a, st_s = (_state(cache_dir / f"{k}_state.pt") for k in ("a2v", "sr"))
+    trained: dict[str, str] = {}
+    for name in ("a2v", "sr"):
+        path = cache_dir / f"{name}_state.pt"
+        if not path.is_file():
+            if base is None:
+                raise FileNotFoundError(f"{path} does not exist: train it first, or pass --from CHECKPOINT to "
+                                        f"keep that checkpoint's {name}")
+            trained.update({k: v for k, v in base_meta.items() if k.startswith(f"{name}_")})
+            continue
+        blob = torch.load(path, map_location="cpu", weights_only=False)
+        st = TrainState(**blob["state"])
+        if name == "a2v":
+            mods["a2v"].load_state_dict(blob["modules"]["ema_a2v"])
+            mods["audio"].load_state_dict(blob["modules"]["ema_audio"])
+            trained.update({"a2v_steps": str(st.step), "a2v_minutes": f"{st.elapsed_s / 60:.1f}",
+                            "a2v_final_loss": f"{st.losses[-1]:.4f}" if st.losses else "nan"})
+        else:
+            mods["sr"].load_state_dict(blob["modules"]["ema_sr"])
+            trained.update({"sr_steps": str(st.step), "sr_minutes": f"{st.elapsed_s / 60:.1f}",
+                            "sr_eval_l1": f"{st.extra.get('eval_l1', float('nan')):.4f}"})
     reused = cache_dir / "vae_reused.json"
     if reused.is_file():
         vae_meta: dict[str, str] = json.loads(reused.read_text())
@@ -140,10 +170,10 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
             "chain_heldout_psnr_db_start": f"{_state(chain_state).extra.get('start_psnr_db', float('nan')):.2f}",
             "chain_heldout_psnr_db": f"{_state(chain_state).extra.get('heldout_psnr_db', float('nan')):.2f}"}
            if chain_state.is_file() else {}),
-        "a2v_steps": str(st_a.step), "a2v_minutes": f"{st_a.elapsed_s / 60:.1f}",
-        "a2v_final_loss": f"{st_a.losses[-1]:.4f}" if st_a.losses else "nan",
-        "sr_steps": str(st_s.step), "sr_minutes": f"{st_s.elapsed_s / 60:.1f}",
-        "sr_eval_l1": f"{st_s.extra.get('eval_l1', float('nan')):.4f}",
+        **({"vae_chain_detail_weight": f"{_state(chain_state).extra.get('detail_weight', 0.0):g}"}
+           if chain_state.is_file() else {}),
+        **trained,
+        **({"base_checkpoint": f"{base.name} (git {base_meta.get('git_commit', '?')})"} if base is not None else {}),
         **(extra_meta or {}),
     }
     save_checkpoint(mods, out, metadata=meta)
@@ -157,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="run one stage only (cache: --worker/--num-workers build shards in parallel; "
                         "reuse-vae: the VAE of --from instead of training one)")
     p.add_argument("--from", dest="from_checkpoint", type=Path, default=None,
-                   help="with --stage reuse-vae: the checkpoint whose VAE to reuse")
+                   help="reuse-vae: the checkpoint whose VAE to reuse; chain: its SR when this run trained "
+                        "none; assemble: its weights for every module this run did not train")
+    p.add_argument("--detail-weight", type=float, default=0.0,
+                   help="VAE, decoder and chain stages: extra loss weight on the face's small features")
     p.add_argument("--stage-minutes", type=float, default=None, help="with --stage decoder: its own budget")
     p.add_argument("--worker", type=int, default=0)
     p.add_argument("--num-workers", type=int, default=1)
@@ -187,15 +220,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.stage == "decoder":
         train_decoder(preset, final_vae(preset, a.cache_dir), a.cache_dir / "vae_decoder_state.pt",
-                      minutes=a.stage_minutes or a.minutes_budget * SHARES["decoder"], seed=a.seed)
+                      minutes=a.stage_minutes or a.minutes_budget * SHARES["decoder"], seed=a.seed,
+                      detail_weight=a.detail_weight)
         return 0
     if a.stage == "chain":
-        chain_decoder(preset, a.cache_dir, a.stage_minutes or a.minutes_budget * SHARES["chain"], a.seed)
+        chain_decoder(preset, a.cache_dir, a.stage_minutes or a.minutes_budget * SHARES["chain"], a.seed,
+                      detail_weight=a.detail_weight, base=a.from_checkpoint)
         return 0
     if a.stage == "assemble":
-        assemble_checkpoint(preset, a.cache_dir, out, a.seed, extra)
+        assemble_checkpoint(preset, a.cache_dir, out, a.seed, extra, base=a.from_checkpoint)
         return 0
-    train_vae(preset, a.cache_dir / "vae_state.pt", minutes=a.minutes_budget * SHARES["vae"], seed=a.seed)
+    train_vae(preset, a.cache_dir / "vae_state.pt", minutes=a.minutes_budget * SHARES["vae"], seed=a.seed,
+              detail_weight=a.detail_weight)
     vae = final_vae(preset, a.cache_dir)
     build_latent_cache(vae, a.cache_dir / "latents", a.clips, a.clip_frames, seed=a.seed, size=preset.height)
     t_cache = time.monotonic()
@@ -204,8 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     train_sr(preset, a.cache_dir / "latents", a.cache_dir / "sr_state.pt",
              minutes=a.minutes_budget * SHARES["sr"], seed=a.seed)
     train_decoder(preset, final_vae(preset, a.cache_dir), a.cache_dir / "vae_decoder_state.pt",
-                  minutes=a.minutes_budget * SHARES["decoder"], seed=a.seed)
-    chain_decoder(preset, a.cache_dir, a.minutes_budget * SHARES["chain"], a.seed)
+                  minutes=a.minutes_budget * SHARES["decoder"], seed=a.seed, detail_weight=a.detail_weight)
+    chain_decoder(preset, a.cache_dir, a.minutes_budget * SHARES["chain"], a.seed, detail_weight=a.detail_weight)
     assemble_checkpoint(preset, a.cache_dir, out, a.seed, extra)
     log.info("train_all finished in %.1f min (this invocation; cache build ended at %.1f min)",
              (time.monotonic() - t0) / 60, (t_cache - t0) / 60)

@@ -19,7 +19,6 @@ import logging
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.presets import ModelPreset, get_preset
@@ -33,7 +32,7 @@ from models.training.common import (
     setup_logging,
     step_generator,
 )
-from models.training.data import FrameSampler, heldout_frames, psnr
+from models.training.data import DETAIL_REGIONS, FrameSampler, heldout_frames, psnr
 from models.vae import CausalConv3d, CausalVAE
 
 log = logging.getLogger(__name__)
@@ -48,25 +47,47 @@ def zero_past_taps(vae: CausalVAE) -> None:
                 m.conv.weight[:, : m.cin * (m.kt - 1)] = 0.0
 
 
-def edge_loss(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """L1 between horizontal and vertical finite differences: keeps the flat-colour edges sharp."""
+def _wmean(e: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+    return e.mean() if w is None else (e * w).sum() / (w.sum() * e.shape[1])
+
+
+def edge_loss(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """L1 between horizontal and vertical finite differences: keeps the flat-colour edges sharp.
+    ``weight`` (broadcast to ``(B, 1, T, H, W)``) weights each difference by its pixel pair's mean."""
     dy = (y[..., 1:, :] - y[..., :-1, :]) - (x[..., 1:, :] - x[..., :-1, :])
     dx = (y[..., :, 1:] - y[..., :, :-1]) - (x[..., :, 1:] - x[..., :, :-1])
-    return dy.abs().mean() + dx.abs().mean()
+    wy = None if weight is None else 0.5 * (weight[..., 1:, :] + weight[..., :-1, :])
+    wx = None if weight is None else 0.5 * (weight[..., :, 1:] + weight[..., :, :-1])
+    return _wmean(dy.abs(), wy) + _wmean(dx.abs(), wx)
 
 
-def vae_loss(vae: CausalVAE, x: torch.Tensor, gen: torch.Generator, kl_weight: float
-             ) -> tuple[torch.Tensor, dict[str, float]]:
+def pixel_weight(detail: torch.Tensor | None, detail_weight: float) -> torch.Tensor | None:
+    """Per-pixel loss weight ``1 + detail_weight * detail`` (``detail``: the coverage of the face's
+    small features, ``FrameSampler.batch_with_detail``); None when off. The weighted losses divide by
+    the weights' sum, so their scale stays that of a plain mean."""
+    if detail is None or detail_weight <= 0.0:
+        return None
+    return 1.0 + detail_weight * detail
+
+
+def recon_loss(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, dict[str, float]]:
+    """L1 + 2 MSE + 0.5 edge, each a (``weight``-weighted) mean over pixels."""
+    l1 = _wmean((y - x).abs(), weight)
+    mse = _wmean((y - x).pow(2), weight)
+    edge = edge_loss(y, x, weight)
+    return l1 + 2.0 * mse + 0.5 * edge, {"l1": l1.item(), "mse": mse.item(), "edge": edge.item()}
+
+
+def vae_loss(vae: CausalVAE, x: torch.Tensor, gen: torch.Generator, kl_weight: float,
+             weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     mean, logvar = vae.encode_moments(x)
     z = mean + torch.exp(0.5 * logvar) * torch.randn(mean.shape, generator=gen)
     y, _ = vae.decode(z, clamp=False)
-    l1 = (y - x).abs().mean()
-    mse = F.mse_loss(y, x)
-    edge = edge_loss(y, x)
+    rec, parts = recon_loss(y, x, weight)
     kl = 0.5 * (mean.pow(2) + logvar.exp() - 1.0 - logvar).mean()
-    loss = l1 + 2.0 * mse + 0.5 * edge + kl_weight * kl
-    parts = {"loss": loss.item(), "l1": l1.item(), "mse": mse.item(), "edge": edge.item(), "kl": kl.item()}
-    return loss, parts
+    loss = rec + kl_weight * kl
+    return loss, {"loss": loss.item(), **parts, "kl": kl.item()}
 
 
 @torch.no_grad()
@@ -86,8 +107,14 @@ def heldout_psnr(vae: CausalVAE, frames: torch.Tensor, sr: nn.Module | None = No
 def train_vae(preset: ModelPreset, state_path: Path, *, minutes: float, seed: int = 0, batch: int = 4,
               crop: int = 128, full_fraction: float = 0.15, full_batch: int = 2, lr: float = 2e-3,
               kl_weight: float = 1e-5, log_every: int = 20, save_every_s: float = 120.0,
-              eval_frames: int = 16, threads: int | None = None) -> dict[str, float]:
-    """Train (or resume) until ``minutes`` of wall time in total; returns final figures."""
+              eval_frames: int = 16, threads: int | None = None, detail_weight: float = 0.0
+              ) -> dict[str, float]:
+    """Train (or resume) until ``minutes`` of wall time in total; returns final figures.
+
+    ``detail_weight`` > 0 weights every reconstruction loss by ``1 + detail_weight`` on the face's
+    small features (:data:`models.training.data.DETAIL_REGIONS`: brows, nose, eyes, lips, mouth,
+    glasses, earrings), from the generator's region masks: they are a few percent of the frame, so a
+    plain mean spends the encoder's latent on skin and background (issue 15)."""
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -103,10 +130,14 @@ def train_vae(preset: ModelPreset, state_path: Path, *, minutes: float, seed: in
     while not budget.done():
         gen = step_generator(seed, st.step)
         full = budget.fraction > 1.0 - full_fraction
-        x = sampler.batch(gen, full_batch if full else batch, None if full else crop)
+        n, c = (full_batch, None) if full else (batch, crop)
+        if detail_weight > 0.0:
+            x, detail = sampler.batch_with_detail(gen, n, c)
+        else:
+            x, detail = sampler.batch(gen, n, c), None
         for g in opt.param_groups:
             g["lr"] = cosine_lr(lr, budget.fraction)
-        loss, parts = vae_loss(vae, x, gen, kl_weight)
+        loss, parts = vae_loss(vae, x, gen, kl_weight, pixel_weight(detail, detail_weight))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
@@ -123,6 +154,7 @@ def train_vae(preset: ModelPreset, state_path: Path, *, minutes: float, seed: in
             last_save = budget.elapsed_s
     vae.eval()
     st.elapsed_s = budget.elapsed_s
+    st.extra["detail_weight"] = detail_weight
     if eval_frames:
         st.extra["heldout_psnr_db"] = heldout_psnr(vae, heldout_frames(eval_frames, preset.height))
         log.info("vae: held-out PSNR %.2f dB after %d steps", st.extra["heldout_psnr_db"], st.step)
@@ -152,7 +184,7 @@ def finalize_vae(vae: CausalVAE, preset: ModelPreset, count: int = 32, seed: int
 def train_decoder(preset: ModelPreset, vae: CausalVAE, state_path: Path, *, minutes: float, seed: int = 0,
                   batch: int = 2, lr: float = 1.5e-3, log_every: int = 10, save_every_s: float = 120.0,
                   eval_frames: int = 16, threads: int | None = None, sr: nn.Module | None = None,
-                  sr_noise: float = 0.1) -> dict[str, float]:
+                  sr_noise: float = 0.1, detail_weight: float = 0.0) -> dict[str, float]:
     """Fine-tune only the decoder of the final (frozen-encoder) VAE on full frames.
 
     With ``sr`` (a trained, frozen SR model) the decoder learns to decode what the pipeline actually
@@ -162,6 +194,7 @@ def train_decoder(preset: ModelPreset, vae: CausalVAE, state_path: Path, *, minu
     The latents the A2V and SR models are trained on depend only on the encoder, so this runs while
     they train. Full frames (not crops) so the decoder's group norms see inference statistics.
     ``vae`` is updated in place; its weights are also in ``state_path`` (resumable).
+    ``detail_weight``: as in :func:`train_vae`.
     """
     if threads:
         torch.set_num_threads(threads)
@@ -179,7 +212,7 @@ def train_decoder(preset: ModelPreset, vae: CausalVAE, state_path: Path, *, minu
     vae.decoder.train()
     while not budget.done():
         gen = step_generator(seed, st.step, 3)
-        x, refs = sampler.batch_with_reference(gen, batch)
+        x, refs, detail = sampler.draw(gen, batch, None, DETAIL_REGIONS if detail_weight > 0 else None)
         for g in opt.param_groups:
             g["lr"] = cosine_lr(lr, budget.fraction, warmup=0.0)
         with torch.no_grad():
@@ -191,8 +224,7 @@ def train_decoder(preset: ModelPreset, vae: CausalVAE, state_path: Path, *, minu
                 sig = torch.rand(lr_z.shape[0], 1, 1, 1, 1, generator=gen) * sr_noise
                 z = sr(lr_z + sig * torch.randn(lr_z.shape, generator=gen), vae.encode(refs)[:, :, 0])
         y, _ = vae.decode(z, clamp=False)
-        l1, mse, edge = (y - x).abs().mean(), F.mse_loss(y, x), edge_loss(y, x)
-        loss = l1 + 2.0 * mse + 0.5 * edge
+        loss, parts = recon_loss(y, x, pixel_weight(detail, detail_weight))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.decoder.parameters(), 1.0)
@@ -200,7 +232,7 @@ def train_decoder(preset: ModelPreset, vae: CausalVAE, state_path: Path, *, minu
         with torch.no_grad():
             zero_past_taps(vae)
         st.step += 1
-        losses.add(loss=loss.item(), l1=l1.item(), mse=mse.item(), edge=edge.item())
+        losses.add(loss=loss.item(), **parts)
         if st.step % log_every == 0:
             st.losses.append(losses.flush(st.step, budget.elapsed_s)["loss"])
         if budget.elapsed_s - last_save > save_every_s:
@@ -209,6 +241,7 @@ def train_decoder(preset: ModelPreset, vae: CausalVAE, state_path: Path, *, minu
             last_save = budget.elapsed_s
     vae.eval()
     st.elapsed_s = budget.elapsed_s
+    st.extra["detail_weight"] = detail_weight
     if frames is not None:
         st.extra["heldout_psnr_db"] = heldout_psnr(vae, frames, sr)
         log.info("vae decoder: held-out PSNR %.2f -> %.2f dB after %d steps", st.extra["start_psnr_db"],
@@ -227,10 +260,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--crop", type=int, default=128)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--detail-weight", type=float, default=0.0,
+                   help="extra loss weight on the face's small features (issue 15; 0: plain means)")
     a = p.parse_args(argv)
     setup_logging(a.cache_dir / "train.log")
     out = train_vae(get_preset(a.preset), a.cache_dir / "vae_state.pt", minutes=a.minutes, seed=a.seed,
-                    batch=a.batch, crop=a.crop, lr=a.lr, threads=a.threads)
+                    batch=a.batch, crop=a.crop, lr=a.lr, threads=a.threads,
+                    detail_weight=a.detail_weight)
     log.info("vae done: %s", out)
     return 0
 

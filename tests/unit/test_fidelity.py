@@ -169,5 +169,8 @@ def test_chain_upper_bounds_score_the_autoencoder_and_the_sr() -> None:
     assert vae["frames"] == sr["frames"] == 16
     # the chains lose detail (ratios above 1) and the SR path, from a 4x smaller latent, loses more
     assert vae["ratio"]["dssim_head"] > 1.0 and sr["model"]["ssim_head"] < vae["model"]["ssim_head"]
+    only = fidelity_bounds(num_identities=1, seconds=0.64, chains=("vae",))
+    assert list(only) == ["vae"]
+    assert only["vae"]["identities"][0]["model"]["ssim_head"] == pytest.approx(vae["model"]["ssim_head"])  # type: ignore[index]
     with pytest.raises(ValueError, match="render_fn or clip_fn"):
         run_fidelity(1, 0.64, 0, None)

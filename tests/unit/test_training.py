@@ -14,11 +14,18 @@ import torch
 from models.checkpoint import build_modules, load_checkpoint
 from models.presets import ModelPreset, get_preset
 from models.training.common import load_state, step_generator
-from models.training.data import FrameSampler, LatentClips, build_latent_cache
+from models.training.data import DETAIL_REGIONS, FrameSampler, LatentClips, build_latent_cache
 from models.training.train_a2v import A2VBatcher, train_a2v
 from models.training.train_all import assemble_checkpoint, chain_decoder, final_vae
 from models.training.train_sr import train_sr
-from models.training.train_vae import finalize_vae, train_vae, vae_loss, zero_past_taps
+from models.training.train_vae import (
+    finalize_vae,
+    pixel_weight,
+    recon_loss,
+    train_vae,
+    vae_loss,
+    zero_past_taps,
+)
 from models.vae import CausalVAE
 
 
@@ -65,6 +72,47 @@ def test_vae_trainer_resumes(tmp_path: Path) -> None:
     out2 = train_vae(p, state, minutes=0.04, batch=2, crop=32, eval_frames=2, log_every=1)
     assert out2["steps"] > out1["steps"] >= 1
     assert 0 < out2["heldout_psnr_db"] < 60
+
+
+def test_detail_map_marks_the_face_features_of_the_same_frames() -> None:
+    """batch_with_detail draws the frames batch draws for the same generator, and its map covers
+    exactly the generator's DETAIL_REGIONS: on the face, never in the background."""
+    sampler = FrameSampler("train", 64)
+    x = sampler.batch(step_generator(0, 3), 6)
+    x2, detail = sampler.batch_with_detail(step_generator(0, 3), 6)
+    assert torch.equal(x, x2) and detail.shape == (6, 1, 1, 64, 64)
+    assert float(detail.min()) >= 0.0 and float(detail.max()) <= 1.0
+    assert all(float(d.sum()) > 10 for d in detail)  # every frame shows some features
+    assert float(detail[..., :4, :].sum()) == 0.0  # the top rows are background or hair
+    # the map is the masks of exactly those regions: a region outside the set adds nothing
+    x3, brows = sampler.batch_with_detail(step_generator(0, 3), 6, regions=("brows",))
+    assert torch.equal(x3, x) and 0 < float(brows.sum()) < float(detail.sum())
+    crops = FrameSampler("train", 64).batch_with_detail(step_generator(0, 3), 6, crop=32)[1]
+    assert crops.shape == (6, 1, 1, 32, 32)
+    assert "glasses" in DETAIL_REGIONS and "skin" not in DETAIL_REGIONS
+
+
+def test_detail_weighted_losses_weight_the_features() -> None:
+    """Weight 1 everywhere is the plain loss; with a detail weight an error on the features costs
+    more than the same error on the background."""
+    x = torch.zeros(1, 3, 1, 16, 16)
+    detail = torch.zeros(1, 1, 1, 16, 16)
+    detail[..., 4:8, 4:8] = 1.0
+    on_face, on_background = x.clone(), x.clone()
+    on_face[..., 5, 5] = 1.0
+    on_background[..., 12, 12] = 1.0
+    plain = recon_loss(on_face, x)[0]
+    assert torch.allclose(recon_loss(on_face, x, torch.ones_like(detail))[0], plain)
+    assert torch.allclose(recon_loss(on_background, x)[0], plain)
+    w = pixel_weight(detail, 8.0)
+    assert pixel_weight(detail, 0.0) is None and pixel_weight(None, 8.0) is None
+    assert float(recon_loss(on_face, x, w)[0]) > 4 * float(recon_loss(on_background, x, w)[0])
+
+
+def test_vae_trainer_with_detail_weight_records_it(tmp_path: Path) -> None:
+    out = train_vae(small_preset(), tmp_path / "vae_state.pt", minutes=0.02, batch=2, crop=32, eval_frames=2,
+                    log_every=1, detail_weight=8.0)
+    assert out["steps"] >= 1 and out["detail_weight"] == 8.0
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +217,38 @@ def test_reuse_vae_takes_weights_and_metadata_of_an_earlier_checkpoint(tmp_path:
     save_checkpoint(mods, tmp_path / "other.safetensors", metadata={"preset": "14b"})
     with pytest.raises(ValueError, match="preset '14b'"):
         reuse_vae(p, tmp_path / "cache2", tmp_path / "other.safetensors")
+
+
+def test_decoder_fine_tune_on_a_shipped_checkpoint_keeps_its_other_modules(tmp_path: Path) -> None:
+    """reuse-vae + chain --from + assemble --from: the decoder of a checkpoint fine-tuned on that
+    checkpoint's SR; the new checkpoint holds the new decoder and every other module of the base,
+    unchanged (the encoder too, so its A2V and SR stay valid), with the base's metadata for them."""
+    from models.checkpoint import save_checkpoint
+    from models.training.train_all import reuse_vae
+
+    p = small_preset()
+    base_mods = build_modules(p, seed=3)
+    base = tmp_path / "base.safetensors"
+    save_checkpoint(base_mods, base, metadata={"preset": "tiny", "git_commit": "abc", "vae_steps": "7",
+                                               "a2v_steps": "11", "sr_steps": "5", "sr_eval_l1": "0.1"})
+    cache = tmp_path / "cache"
+    reuse_vae(p, cache, base)
+    with pytest.raises(FileNotFoundError, match="--from"):
+        chain_decoder(p, cache, minutes=0.01, seed=0)
+    c = chain_decoder(p, cache, minutes=0.02, seed=0, detail_weight=8.0, base=base)
+    assert c["steps"] >= 1 and c["detail_weight"] == 8.0
+    with pytest.raises(FileNotFoundError, match="a2v_state.pt"):
+        assemble_checkpoint(p, cache, tmp_path / "x.safetensors", seed=0)
+    meta = assemble_checkpoint(p, cache, tmp_path / "new.safetensors", seed=0, base=base)
+    assert meta["a2v_steps"] == "11" and meta["sr_steps"] == "5" and meta["vae_chain_detail_weight"] == "8"
+    assert meta["base_checkpoint"] == "base.safetensors (git abc)"
+    fresh = build_modules(p, seed=5)
+    load_checkpoint(fresh, tmp_path / "new.safetensors")
+    for name in ("a2v", "audio", "sr", "text"):
+        assert all(torch.equal(v, base_mods[name].state_dict()[k]) for k, v in fresh[name].state_dict().items())
+    new_vae, old_vae = fresh["vae"].state_dict(), base_mods["vae"].state_dict()
+    assert all(torch.equal(new_vae[k], v) for k, v in old_vae.items() if k.startswith("encoder."))
+    assert any(not torch.equal(new_vae[k], v) for k, v in old_vae.items() if k.startswith("decoder."))
 
 
 def test_the_scored_pipeline_follows_the_chunk_plan(tmp_path: Path) -> None:
