@@ -144,16 +144,21 @@ class AvatarClip:
     mouth_open: np.ndarray  # T float32 in [0, 1]
     mouth_box: np.ndarray  # T x 4 int32 (x0, y0, x1, y1)
     face_box: np.ndarray  # T x 4 int32
+    # T x H x W float32 coverage of the regions asked for (render_clip(detail_regions=...)), else None
+    detail: np.ndarray | None = None
 
 
 def render_clip(identity_seed: int, clip_seed: int, num_frames: int, split: str = "train", size: int = 256,
-                fps: int = FPS, synth: SpeechSynth | None = None, speech_pool: int | None = 256) -> AvatarClip:
+                fps: int = FPS, synth: SpeechSynth | None = None, speech_pool: int | None = 256,
+                detail_regions: tuple[str, ...] | None = None) -> AvatarClip:
     """One clip: ``num_frames`` video frames and the matching audio window, cut at a seeded offset out of
     a seeded utterance (so mouth tracks see the audio around the window, as in a long render).
 
     ``speech_pool``: utterances are drawn from this many per split (seeds ``0 .. pool-1``), so the
     synth's cache serves most clips without running espeak-ng (~5 s of speech each; 256 of them are
-    ~90 MB of float32 per process); ``None`` makes a fresh utterance for every clip."""
+    ~90 MB of float32 per process); ``None`` makes a fresh utterance for every clip.
+    ``detail_regions``: also return each frame's coverage of these regions (``FaceRenderer.region_masks``,
+    a few ms per frame) as ``AvatarClip.detail``, for losses that weight the face's features."""
     if num_frames < 1:
         raise ValueError(f"num_frames={num_frames}: must be >= 1")
     synth = synth or SpeechSynth()
@@ -173,11 +178,16 @@ def render_clip(identity_seed: int, clip_seed: int, num_frames: int, split: str 
     frames = np.empty((num_frames, size, size, 3), dtype=np.uint8)
     mbox = np.empty((num_frames, 4), dtype=np.int32)
     fbox = np.empty((num_frames, 4), dtype=np.int32)
+    detail = None if detail_regions is None else np.zeros((num_frames, size, size), dtype=np.float32)
     for t in range(num_frames):
         frames[t], truth = r.frame(t0 + t, float(opening[t]), float(width[t]))
         mbox[t], fbox[t] = truth.mouth_box, truth.face_box
+        if detail is not None and detail_regions:
+            masks = r.face.region_masks(truth.pose, truth.mouth_open, truth.mouth_width, truth.blink,
+                                        names=detail_regions)
+            detail[t] = np.clip(sum(masks.values()), 0.0, 1.0)
     return AvatarClip(identity_seed, clip_seed, utt.voice, r.reference(), frames, audio,
-                      opening.astype(np.float32), mbox, fbox)
+                      opening.astype(np.float32), mbox, fbox, detail)
 
 
 def identity_for(split: str, seed: int, index: int, num_identities: int | None = None) -> int:

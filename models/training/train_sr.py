@@ -36,26 +36,33 @@ log = logging.getLogger(__name__)
 
 
 def sr_batch(clips: LatentClips, lr_all: torch.Tensor, gen: torch.Generator, size: int, noise: float
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(lr input (B, C, 1, h, w) with noise, hr target (B, C, 1, H, W), ref (B, C, H, W))."""
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(lr input (B, C, 1, h, w) with noise, hr target (B, C, 1, H, W), ref (B, C, H, W), the cells'
+    detail coverage (B, 1, H, W) or None when the cache has none)."""
     idx = torch.randint(clips.num_clips, (size,), generator=gen)
     fr = torch.randint(clips.clip_frames, (size,), generator=gen)
     hr = clips.hr[idx, fr][:, :, None]
     lr = lr_all[idx, fr][:, :, None]
     sig = torch.rand(size, 1, 1, 1, 1, generator=gen) * noise
-    return lr + sig * torch.randn(lr.shape, generator=gen), hr, clips.ref[idx]
+    detail = None if clips.detail is None else clips.detail[idx, fr][:, None]
+    return lr + sig * torch.randn(lr.shape, generator=gen), hr, clips.ref[idx], detail
 
 
 @torch.no_grad()
 def sr_eval(sr: SRDiT, clips: LatentClips, lr_all: torch.Tensor, count: int = 64) -> float:
     """L1 of the SR output vs the hr latent on a fixed set of frames (clean low-res input)."""
-    lr, hr, ref = sr_batch(clips, lr_all, torch.Generator().manual_seed(4242), count, 0.0)
+    lr, hr, ref, _ = sr_batch(clips, lr_all, torch.Generator().manual_seed(4242), count, 0.0)
     return float((sr(lr, ref) - hr).abs().mean())
 
 
 def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes: float, seed: int = 0,
              batch: int = 16, lr: float = 1e-3, noise: float = 0.15, log_every: int = 20,
-             save_every_s: float = 120.0, threads: int | None = None) -> dict[str, float]:
+             save_every_s: float = 120.0, threads: int | None = None, detail_weight: float = 0.0
+             ) -> dict[str, float]:
+    """Train (or resume) until ``minutes`` of wall time in total; returns final figures.
+
+    ``detail_weight`` > 0 multiplies each cell's change weight by ``1 + detail_weight * coverage`` of
+    the face's small features (the latent cache's ``detail``; issue 15)."""
     if threads:
         torch.set_num_threads(threads)
     sr = build_modules(preset, seed)["sr"]
@@ -67,6 +74,9 @@ def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes:
     opt = torch.optim.AdamW(sr.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.99))
     st = load_state(state_path, {"sr": sr, "ema_sr": ema.shadow["sr"]}, opt)
     clips = LatentClips(cache_dir)
+    if detail_weight > 0.0 and clips.detail is None:
+        raise ValueError(f"detail_weight={detail_weight}: the latent cache in {cache_dir} has no detail maps "
+                         "(written before they were kept); delete it and build it again (train_all --stage cache)")
     lr_all = lowres(clips.hr, preset.lowres_factor)  # (N, T, C, h, w)
     budget = Budget(minutes, st.elapsed_s)
     losses = LossLog(state_path.with_suffix(".jsonl"), "sr")
@@ -75,10 +85,12 @@ def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes:
     last_save = budget.elapsed_s
     while not budget.done():
         gen = step_generator(seed, st.step, 2)
-        x, y, ref = sr_batch(clips, lr_all, gen, batch, noise)
+        x, y, ref, detail = sr_batch(clips, lr_all, gen, batch, noise)
         for g in opt.param_groups:
             g["lr"] = cosine_lr(lr, budget.fraction)
         w = change_weights(y, ref)  # (B, 1, H, W)
+        if detail is not None and detail_weight > 0.0:
+            w = w * (1.0 + detail_weight * detail)
         loss = ((sr(x, ref) - y).abs().mean(dim=1) * w).sum() / w.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -94,6 +106,7 @@ def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes:
             save_state(state_path, {"sr": sr, "ema_sr": ema.shadow["sr"]}, opt, st)
             last_save = budget.elapsed_s
     st.elapsed_s = budget.elapsed_s
+    st.extra["detail_weight"] = detail_weight
     st.extra["eval_l1"] = sr_eval(ema.shadow["sr"], clips, lr_all)
     log.info("sr: eval L1 %.4f (bilinear start %.4f) after %d steps", st.extra["eval_l1"],
              st.extra["bilinear_l1"], st.step)
@@ -108,10 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--detail-weight", type=float, default=0.0,
+                   help="extra loss weight on latent cells showing the face's small features (issue 15)")
     a = p.parse_args(argv)
     setup_logging(a.cache_dir / "train.log")
     out = train_sr(get_preset(a.preset), a.cache_dir / "latents", a.cache_dir / "sr_state.pt", minutes=a.minutes,
-                   seed=a.seed, threads=a.threads)
+                   seed=a.seed, threads=a.threads, detail_weight=a.detail_weight)
     log.info("sr done: %s", out)
     return 0
 

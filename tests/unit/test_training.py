@@ -133,6 +133,9 @@ def test_latent_cache_layout_and_windows(cache: Path) -> None:
     clips = LatentClips(cache / "latents")
     assert clips.hr.shape == (3, 21, 8, 8, 8) and clips.ref.shape == (3, 8, 8, 8)
     assert clips.audio.shape == (3, (21 + 4) * 640)
+    # the face's features per latent cell: a fraction, on the face only (the corner cells are background)
+    assert clips.detail is not None and clips.detail.shape == (3, 21, 8, 8)
+    assert 0.0 < float(clips.detail.max()) <= 1.0 and float(clips.detail[..., 0, 0].max()) == 0.0
     assert p.reference_frame and p.lowres_factor == 2
     b = A2VBatcher(clips, p)
     # N: the reference slot + C context frames known; R: N_0 with the reference slot
@@ -174,6 +177,16 @@ def test_a2v_and_sr_train_resume_and_assemble(cache: Path) -> None:
     assert a2["steps"] > a1["steps"] >= 2
     s1 = train_sr(p, cache / "latents", cache / "sr_state.pt", minutes=0.05, batch=8, log_every=2)
     assert s1["eval_l1"] < s1["bilinear_l1"]  # SR beats its bilinear starting point after a few steps
+    sd = train_sr(p, cache / "latents", cache / "sr_detail_state.pt", minutes=0.02, batch=8, log_every=2,
+                  detail_weight=8.0)
+    assert sd["steps"] >= 1 and sd["detail_weight"] == 8.0
+    old = cache / "old_latents"  # a cache written before the detail maps were kept
+    old.mkdir()
+    blob = torch.load(cache / "latents" / "shard_0000.pt")
+    del blob["detail"]
+    torch.save(blob, old / "shard_0000.pt")
+    with pytest.raises(ValueError, match="no detail maps.*build it again"):
+        train_sr(p, old, cache / "sr_old_state.pt", minutes=0.01, detail_weight=8.0)
     # the VAE state the checkpoint reads (normally written by train_vae)
     mods = {"vae": CausalVAE(p.vae)}
     mods["vae"].load_state_dict(torch.load(cache / "vae_final.pt"))
