@@ -147,14 +147,16 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
         else:
             mods["sr"].load_state_dict(blob["modules"]["ema_sr"])
             trained.update({"sr_steps": str(st.step), "sr_minutes": f"{st.elapsed_s / 60:.1f}",
-                            "sr_eval_l1": f"{st.extra.get('eval_l1', float('nan')):.4f}"})
+                            "sr_eval_l1": f"{st.extra.get('eval_l1', float('nan')):.4f}",
+                            "sr_detail_weight": f"{st.extra.get('detail_weight', 0.0):g}"})
     reused = cache_dir / "vae_reused.json"
     if reused.is_file():
         vae_meta: dict[str, str] = json.loads(reused.read_text())
     else:
         st_v = _state(cache_dir / "vae_state.pt")
         vae_meta = {"vae_steps": str(st_v.step), "vae_minutes": f"{st_v.elapsed_s / 60:.1f}",
-                    "vae_heldout_psnr_db": f"{st_v.extra.get('heldout_psnr_db', float('nan')):.2f}"}
+                    "vae_heldout_psnr_db": f"{st_v.extra.get('heldout_psnr_db', float('nan')):.2f}",
+                    "vae_detail_weight": f"{st_v.extra.get('detail_weight', 0.0):g}"}
     meta = {
         "preset": preset.name,
         "seed": str(seed),

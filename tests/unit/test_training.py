@@ -205,7 +205,7 @@ def test_a2v_and_sr_train_resume_and_assemble(cache: Path) -> None:
     c = chain_decoder(p, cache, minutes=0.03, seed=0)
     assert c["steps"] >= 1 and 0 < c["heldout_psnr_db"] < 60
     meta = assemble_checkpoint(p, cache, out, seed=0)
-    assert meta["vae_chain_steps"] == str(c["steps"])
+    assert meta["vae_chain_steps"] == str(c["steps"]) and meta["sr_detail_weight"] == "0"
     chained = torch.load(cache / "vae_chain_state.pt", weights_only=False)["modules"]["vae"]
     fresh = build_modules(p, seed=5)
     load_checkpoint(fresh, out)
