@@ -95,13 +95,18 @@ def tensor_bytes() -> tuple[int, Counter[str]]:
     return sum(storages.values()), types
 
 
-def slope_per_10min(xs: list[float], ys: list[float]) -> float:
-    """Least-squares slope of ys over xs (video seconds), as units per 600 s."""
+def least_squares_slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys over xs, in y units per x unit (0 for fewer than two distinct xs)."""
     if len(xs) < 2:
         return 0.0
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     var = sum((x - mx) ** 2 for x in xs)
-    return 600.0 * sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+
+
+def slope_per_10min(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys over xs (video seconds), as units per 600 s."""
+    return 600.0 * least_squares_slope(xs, ys)
 
 
 COMPONENTS = ("rss", "anon", "file", "heap_in_use", "heap_free", "mmapped", "python_heap", "tensors")

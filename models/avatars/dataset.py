@@ -112,6 +112,12 @@ class AvatarRenderer:
     def reference_eyes_box(self) -> Box:
         return self.face.eyes_box(HeadPose())
 
+    def coverage(self, truth: FrameTruth, regions: tuple[str, ...]) -> np.ndarray:
+        """``(size, size)`` float32 in [0, 1]: how much of each pixel of the frame ``truth`` describes
+        shows one of ``regions`` (the union of ``FaceRenderer.region_masks``; a few ms)."""
+        masks = self.face.region_masks(truth.pose, truth.mouth_open, truth.mouth_width, truth.blink, names=regions)
+        return np.clip(sum(masks.values(), np.zeros((self.face.size, self.face.size), np.float32)), 0.0, 1.0)
+
     def frame(self, index: int, mouth_open: float, mouth_width: float) -> tuple[np.ndarray, FrameTruth]:
         pose, blink = self.motion.pose(index), self.motion.blink(index)
         img = self.face.render(pose, mouth_open, mouth_width, blink)
@@ -182,10 +188,8 @@ def render_clip(identity_seed: int, clip_seed: int, num_frames: int, split: str 
     for t in range(num_frames):
         frames[t], truth = r.frame(t0 + t, float(opening[t]), float(width[t]))
         mbox[t], fbox[t] = truth.mouth_box, truth.face_box
-        if detail is not None and detail_regions:
-            masks = r.face.region_masks(truth.pose, truth.mouth_open, truth.mouth_width, truth.blink,
-                                        names=detail_regions)
-            detail[t] = np.clip(sum(masks.values()), 0.0, 1.0)
+        if detail is not None and detail_regions is not None:
+            detail[t] = r.coverage(truth, detail_regions)
     return AvatarClip(identity_seed, clip_seed, utt.voice, r.reference(), frames, audio,
                       opening.astype(np.float32), mbox, fbox, detail)
 

@@ -67,18 +67,12 @@ class FrameSampler:
         x, refs, _ = self.draw(gen, batch, crop)
         return x, refs
 
-    def batch_with_detail(self, gen: torch.Generator, batch: int, crop: int | None = None,
-                          regions: tuple[str, ...] = DETAIL_REGIONS) -> tuple[torch.Tensor, torch.Tensor]:
-        """(frames ``(B, 3, 1, S, S)``, detail ``(B, 1, 1, S, S)``): the same frames as :meth:`batch`
-        for the same generator, and the coverage in [0, 1] of ``regions`` in each (the generator's
-        region masks, occlusion included), for losses that weight the features of the face."""
-        x, _, detail = self.draw(gen, batch, crop, regions)
-        assert detail is not None
-        return x, detail
-
     def draw(self, gen: torch.Generator, batch: int, crop: int | None = None,
              regions: tuple[str, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(frames, references, the coverage of ``regions`` or None): what the methods above return."""
+        """(frames, the identities' neutral reference frames, ``regions``' coverage of each frame or None):
+        ``(B, 3, 1, S, S)``, the same, ``(B, 1, 1, S, S)`` in [0, 1] (the generator's region masks,
+        occlusion included; :meth:`models.avatars.dataset.AvatarRenderer.coverage`). The frames do not
+        depend on ``regions``: the same generator draws the same batch with or without them."""
         lo, hi = IDENTITY_SPLITS[self.split]
         out, refs, details = [], [], []
         for _ in range(batch):
@@ -94,11 +88,7 @@ class FrameSampler:
                 truth = FrameTruth(0.0, truth.mouth_box, truth.face_box)  # neutral pose, mouth, eyes
             x = to_unit(img)
             refs.append(to_unit(r.reference()))
-            d = None
-            if regions is not None:
-                masks = r.face.region_masks(truth.pose, truth.mouth_open, truth.mouth_width, truth.blink,
-                                            names=regions)
-                d = torch.from_numpy(np.clip(sum(masks.values()), 0.0, 1.0))[None]  # (1, S, S)
+            d = None if regions is None else torch.from_numpy(r.coverage(truth, regions))[None]  # (1, S, S)
             if crop is not None and crop < self.size:
                 y0, x0 = (int(v) for v in torch.randint(0, (self.size - crop) // 8 + 1, (2,), generator=gen) * 8)
                 x = x[:, y0 : y0 + crop, x0 : x0 + crop]

@@ -119,15 +119,25 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
     metadata for them is carried; without it every stage must have run."""
     mods = build_modules(preset, seed)
     base_meta = load_checkpoint(mods, base) if base is not None else {}
-    dec_state = cache_dir / "vae_decoder_state.pt"
-    chain_state = cache_dir / "vae_chain_state.pt"
-    if chain_state.is_file():  # decoder fine-tuned on SR outputs (same encoder weights)
-        vae_sd = torch.load(chain_state, map_location="cpu", weights_only=False)["modules"]["vae"]
-    elif dec_state.is_file():  # decoder fine-tuned after the encoder froze (same encoder weights)
-        vae_sd = torch.load(dec_state, map_location="cpu", weights_only=False)["modules"]["vae"]
-    else:
-        vae_sd = final_vae(preset, cache_dir).state_dict()
-    mods["vae"].load_state_dict(vae_sd)
+    # the decoder stages, in order (same encoder weights): fine-tuned after the encoder froze, then on
+    # SR outputs; the last one that ran holds the shipped VAE. Each state file is read once.
+    vae_sd = None
+    decoder_meta: dict[str, str] = {}
+    for path in (cache_dir / "vae_decoder_state.pt", cache_dir / "vae_chain_state.pt"):
+        if not path.is_file():
+            continue
+        blob = torch.load(path, map_location="cpu", weights_only=False)
+        vae_sd, st = blob["modules"]["vae"], TrainState(**blob["state"])
+        psnr = f"{st.extra.get('heldout_psnr_db', float('nan')):.2f}"
+        if path.name == "vae_decoder_state.pt":
+            decoder_meta |= {"vae_decoder_steps": str(st.step), "vae_decoder_minutes": f"{st.elapsed_s / 60:.1f}",
+                             "vae_decoder_heldout_psnr_db": psnr}
+        else:
+            decoder_meta |= {"vae_chain_steps": str(st.step), "vae_chain_minutes": f"{st.elapsed_s / 60:.1f}",
+                             "chain_heldout_psnr_db_start": f"{st.extra.get('start_psnr_db', float('nan')):.2f}",
+                             "chain_heldout_psnr_db": psnr,
+                             "vae_chain_detail_weight": f"{st.extra.get('detail_weight', 0.0):g}"}
+    mods["vae"].load_state_dict(vae_sd if vae_sd is not None else final_vae(preset, cache_dir).state_dict())
     trained: dict[str, str] = {}
     for name in ("a2v", "sr"):
         path = cache_dir / f"{name}_state.pt"
@@ -163,17 +173,7 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
         "git_commit": git_commit(),
         "trained_on": "synthetic avatars (models.avatars), train identities [0, 1e6), train voices",
         **vae_meta,
-        **({"vae_decoder_steps": str(_state(dec_state).step),
-            "vae_decoder_minutes": f"{_state(dec_state).elapsed_s / 60:.1f}",
-            "vae_decoder_heldout_psnr_db": f"{_state(dec_state).extra.get('heldout_psnr_db', float('nan')):.2f}"}
-           if dec_state.is_file() else {}),
-        **({"vae_chain_steps": str(_state(chain_state).step),
-            "vae_chain_minutes": f"{_state(chain_state).elapsed_s / 60:.1f}",
-            "chain_heldout_psnr_db_start": f"{_state(chain_state).extra.get('start_psnr_db', float('nan')):.2f}",
-            "chain_heldout_psnr_db": f"{_state(chain_state).extra.get('heldout_psnr_db', float('nan')):.2f}"}
-           if chain_state.is_file() else {}),
-        **({"vae_chain_detail_weight": f"{_state(chain_state).extra.get('detail_weight', 0.0):g}"}
-           if chain_state.is_file() else {}),
+        **decoder_meta,
         **trained,
         **({"base_checkpoint": f"{base.name} (git {base_meta.get('git_commit', '?')})"} if base is not None else {}),
         **(extra_meta or {}),

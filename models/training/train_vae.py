@@ -63,7 +63,7 @@ def edge_loss(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None = No
 
 def pixel_weight(detail: torch.Tensor | None, detail_weight: float) -> torch.Tensor | None:
     """Per-pixel loss weight ``1 + detail_weight * detail`` (``detail``: the coverage of the face's
-    small features, ``FrameSampler.batch_with_detail``); None when off. The weighted losses divide by
+    small features, ``FrameSampler.draw``); None when off. The weighted losses divide by
     the weights' sum, so their scale stays that of a plain mean."""
     if detail is None or detail_weight <= 0.0:
         return None
@@ -130,11 +130,8 @@ def train_vae(preset: ModelPreset, state_path: Path, *, minutes: float, seed: in
     while not budget.done():
         gen = step_generator(seed, st.step)
         full = budget.fraction > 1.0 - full_fraction
-        n, c = (full_batch, None) if full else (batch, crop)
-        if detail_weight > 0.0:
-            x, detail = sampler.batch_with_detail(gen, n, c)
-        else:
-            x, detail = sampler.batch(gen, n, c), None
+        x, _, detail = sampler.draw(gen, full_batch if full else batch, None if full else crop,
+                                    DETAIL_REGIONS if detail_weight > 0.0 else None)
         for g in opt.param_groups:
             g["lr"] = cosine_lr(lr, budget.fraction)
         loss, parts = vae_loss(vae, x, gen, kl_weight, pixel_weight(detail, detail_weight))

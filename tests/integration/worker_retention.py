@@ -201,7 +201,7 @@ def rss_profile(num_fragments: int, every: int, *, trim: bool = True, fragment_k
     and resume states have a real tiny job's sizes, with the relay's per-fragment heap trim
     (``trim``, the production code) or without it (the relay's ``release_free_heap`` replaced by a
     no-op here); the least-squares slope after the first fifth, in MB per 1000 fragments."""
-    from bench.memprofile import slope_per_10min, smaps_rollup
+    from bench.memprofile import least_squares_slope, smaps_rollup
     from pipeline.placement import relay
 
     if not trim:
@@ -219,7 +219,7 @@ def rss_profile(num_fragments: int, every: int, *, trim: bool = True, fragment_k
                       state_bytes=state_kib << 10, sleep_s=sleep_s)
     tail = samples[len(samples) // 5 :]
     ys = [s["rss"] for s in tail]
-    slope = slope_per_10min([s["fragment"] for s in tail], ys) / 600  # MB per fragment
+    slope = least_squares_slope([s["fragment"] for s in tail], ys)  # MB per fragment
     return {
         "fragments": num_fragments, "trim": trim, "outcome": outcome, "fragment_kib": fragment_kib,
         "state_kib": state_kib, "samples": samples,

@@ -5,6 +5,7 @@ loads strictly through models.checkpoint."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
@@ -75,20 +76,21 @@ def test_vae_trainer_resumes(tmp_path: Path) -> None:
 
 
 def test_detail_map_marks_the_face_features_of_the_same_frames() -> None:
-    """batch_with_detail draws the frames batch draws for the same generator, and its map covers
-    exactly the generator's DETAIL_REGIONS: on the face, never in the background."""
+    """draw with regions gives the frames batch draws for the same generator, and its map covers
+    exactly those regions of the generator's masks: on the face, never in the background."""
     sampler = FrameSampler("train", 64)
     x = sampler.batch(step_generator(0, 3), 6)
-    x2, detail = sampler.batch_with_detail(step_generator(0, 3), 6)
-    assert torch.equal(x, x2) and detail.shape == (6, 1, 1, 64, 64)
+    x2, _, detail = sampler.draw(step_generator(0, 3), 6, regions=DETAIL_REGIONS)
+    assert detail is not None and torch.equal(x, x2) and detail.shape == (6, 1, 1, 64, 64)
     assert float(detail.min()) >= 0.0 and float(detail.max()) <= 1.0
     assert all(float(d.sum()) > 10 for d in detail)  # every frame shows some features
     assert float(detail[..., :4, :].sum()) == 0.0  # the top rows are background or hair
     # the map is the masks of exactly those regions: a region outside the set adds nothing
-    x3, brows = sampler.batch_with_detail(step_generator(0, 3), 6, regions=("brows",))
-    assert torch.equal(x3, x) and 0 < float(brows.sum()) < float(detail.sum())
-    crops = FrameSampler("train", 64).batch_with_detail(step_generator(0, 3), 6, crop=32)[1]
-    assert crops.shape == (6, 1, 1, 32, 32)
+    x3, _, brows = sampler.draw(step_generator(0, 3), 6, regions=("brows",))
+    assert brows is not None and torch.equal(x3, x) and 0 < float(brows.sum()) < float(detail.sum())
+    assert sampler.draw(step_generator(0, 3), 6)[2] is None
+    crops = FrameSampler("train", 64).draw(step_generator(0, 3), 6, crop=32, regions=DETAIL_REGIONS)[2]
+    assert crops is not None and crops.shape == (6, 1, 1, 32, 32)
     assert "glasses" in DETAIL_REGIONS and "skin" not in DETAIL_REGIONS
 
 
@@ -109,10 +111,22 @@ def test_detail_weighted_losses_weight_the_features() -> None:
     assert float(recon_loss(on_face, x, w)[0]) > 4 * float(recon_loss(on_background, x, w)[0])
 
 
-def test_vae_trainer_with_detail_weight_records_it(tmp_path: Path) -> None:
-    out = train_vae(small_preset(), tmp_path / "vae_state.pt", minutes=0.02, batch=2, crop=32, eval_frames=2,
-                    log_every=1, detail_weight=8.0)
-    assert out["steps"] >= 1 and out["detail_weight"] == 8.0
+def _first_logged_loss(state: Path) -> float:
+    """Step 1's loss of a trainer run with ``log_every=1``: computed before any update, so a pure
+    function of the seed, the batch, the init and the loss."""
+    first = json.loads(state.with_suffix(".jsonl").read_text().splitlines()[0])
+    assert first["step"] == 1
+    return float(first["loss"])
+
+
+def test_vae_trainer_applies_and_records_the_detail_weight(tmp_path: Path) -> None:
+    """The same seed draws the same first batch on the same init: only the weight can make the first
+    step's losses differ, so they differ exactly when the trainer hands the weight to the loss."""
+    runs = {w: train_vae(small_preset(), tmp_path / f"vae_{w:g}.pt", minutes=0.02, batch=2, crop=32, eval_frames=2,
+                         log_every=1, detail_weight=w) for w in (0.0, 8.0)}
+    assert runs[8.0]["steps"] >= 1 and runs[8.0]["detail_weight"] == 8.0 and runs[0.0]["detail_weight"] == 0.0
+    plain, weighted = (_first_logged_loss(tmp_path / f"vae_{w:g}.pt") for w in (0.0, 8.0))
+    assert plain != pytest.approx(weighted, rel=1e-3)
 
 
 @pytest.fixture(scope="module")
@@ -175,11 +189,15 @@ def test_a2v_and_sr_train_resume_and_assemble(cache: Path) -> None:
     a1 = train_a2v(p, cache / "latents", cache / "a2v_state.pt", minutes=0.05, batch_n=2, batch_i=4, log_every=2)
     a2 = train_a2v(p, cache / "latents", cache / "a2v_state.pt", minutes=0.1, batch_n=2, batch_i=4, log_every=2)
     assert a2["steps"] > a1["steps"] >= 2
-    s1 = train_sr(p, cache / "latents", cache / "sr_state.pt", minutes=0.05, batch=8, log_every=2)
+    s1 = train_sr(p, cache / "latents", cache / "sr_state.pt", minutes=0.05, batch=8, log_every=1)
     assert s1["eval_l1"] < s1["bilinear_l1"]  # SR beats its bilinear starting point after a few steps
-    sd = train_sr(p, cache / "latents", cache / "sr_detail_state.pt", minutes=0.02, batch=8, log_every=2,
+    sd = train_sr(p, cache / "latents", cache / "sr_detail_state.pt", minutes=0.02, batch=8, log_every=1,
                   detail_weight=8.0)
     assert sd["steps"] >= 1 and sd["detail_weight"] == 8.0
+    # step 1's loss comes before any update (the learning rate follows wall time, later steps do not
+    # repeat): same seed, batch and init as the plain run, so the weight alone can change it
+    assert _first_logged_loss(cache / "sr_state.pt") != pytest.approx(_first_logged_loss(cache / "sr_detail_state.pt"),
+                                                                        rel=1e-3)
     old = cache / "old_latents"  # a cache written before the detail maps were kept
     old.mkdir()
     blob = torch.load(cache / "latents" / "shard_0000.pt")
