@@ -17,7 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
+
+from models.checkpoint import load_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,7 @@ class TrainState:
     elapsed_s: float = 0.0
     losses: list[float] = field(default_factory=list)  # running mean of each logging interval
     extra: dict[str, float] = field(default_factory=dict)
+    init_from: str = ""  # the checkpoint a warm-started run began from (warm_start), "" from scratch
 
 
 def save_state(path: Path, modules: dict[str, nn.Module], opt: torch.optim.Optimizer, state: TrainState) -> None:
@@ -91,6 +95,30 @@ def load_state(path: Path, modules: dict[str, nn.Module], opt: torch.optim.Optim
     st = TrainState(**blob["state"])
     log.info("resumed %s at step %d (%.0f s trained)", path, st.step, st.elapsed_s)
     return st
+
+
+def warm_start(modules: dict[str, nn.Module], checkpoint: Path, preset: str, state: TrainState) -> None:
+    """Start a fresh run from a shipped checkpoint's weights instead of the seeded init.
+
+    ``modules`` maps checkpoint module names (``a2v``, ``audio``, ``sr``) to the modules to fill; the
+    checkpoint must be of ``preset``. Records where the run began in ``state.init_from`` (carried into
+    the assembled checkpoint's metadata). Raises on a resumed state that began elsewhere: resuming
+    is never silently re-initialised."""
+    if state.step > 0:
+        if not state.init_from.startswith(f"{checkpoint.name} "):
+            raise ValueError(f"--from {checkpoint}: the training state to resume (step {state.step}) began from "
+                             f"{state.init_from or 'the seeded init'}; drop --from to resume it, or delete the "
+                             "state file to start over from the checkpoint")
+        return
+    with safe_open(str(checkpoint), "pt") as f:
+        found = (f.metadata() or {}).get("preset")
+    if found != preset:
+        raise ValueError(f"--from {checkpoint}: a checkpoint of preset {found!r}, not {preset!r}")
+    meta = load_checkpoint(modules, checkpoint)
+    steps = {k: meta[k] for k in sorted(meta) if any(k == f"{m}_steps" for m in modules)}
+    state.init_from = f"{checkpoint.name} (git {meta.get('git_commit', '?')}, " + \
+        ", ".join(f"{k} {v}" for k, v in steps.items()) + ")"
+    log.info("warm start from %s: %s", checkpoint, state.init_from)
 
 
 class LossLog:

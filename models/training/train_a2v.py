@@ -46,6 +46,7 @@ from models.training.common import (
     save_state,
     setup_logging,
     step_generator,
+    warm_start,
 )
 from models.training.data import LatentClips
 
@@ -168,8 +169,12 @@ class EMA:
 def train_a2v(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes: float, seed: int = 0,
               batch_n: int = 6, batch_i: int = 16, lr: float = 1e-3, text_prob: float = 0.25,
               ema_max: float = 0.998, log_every: int = 20, save_every_s: float = 120.0,
-              threads: int | None = None, anchor_noise: float | None = 0.05) -> dict[str, float]:
-    """Train (or resume) for ``minutes`` of wall time in total; the state file holds model + EMA weights."""
+              threads: int | None = None, anchor_noise: float | None = 0.05,
+             init_from: Path | None = None) -> dict[str, float]:
+    """Train (or resume) for ``minutes`` of wall time in total; the state file holds model + EMA weights.
+
+    ``init_from``: a fresh run starts from that checkpoint's A2V and audio encoder (its EMA weights)
+    instead of the seeded init (:func:`~models.training.common.warm_start`)."""
     if threads:
         torch.set_num_threads(threads)
     base = build_modules(preset, seed)
@@ -188,6 +193,10 @@ def train_a2v(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes
     opt = torch.optim.AdamW([p for m in train_mods.values() for p in m.parameters()], lr=lr, weight_decay=0.01,
                             betas=(0.9, 0.99))
     st = load_state(state_path, {**train_mods, "ema_a2v": ema.shadow["a2v"], "ema_audio": ema.shadow["audio"]}, opt)
+    if init_from is not None:
+        warm_start(train_mods, init_from, preset.name, st)
+        if st.step == 0:
+            ema = EMA(train_mods)
     clips = LatentClips(cache_dir)
     batcher = A2VBatcher(clips, preset, anchor_noise=anchor_noise)
     budget = Budget(minutes, st.elapsed_s)
@@ -232,11 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--anchor-noise", default="0.05",
                    help="max noise on I anchors (no colour offset), or 'context' to corrupt them like N context")
+    p.add_argument("--from", dest="from_checkpoint", type=Path, default=None,
+                   help="start from this checkpoint's A2V and audio encoder (a fresh state file only)")
     a = p.parse_args(argv)
     setup_logging(a.cache_dir / "train.log")
     out = train_a2v(get_preset(a.preset), a.cache_dir / "latents", a.cache_dir / "a2v_state.pt",
                     minutes=a.minutes, seed=a.seed, lr=a.lr, threads=a.threads,
-                    anchor_noise=None if a.anchor_noise == "context" else float(a.anchor_noise))
+                    anchor_noise=None if a.anchor_noise == "context" else float(a.anchor_noise),
+                    init_from=a.from_checkpoint)
     log.info("a2v done: %s", out)
     return 0
 

@@ -99,10 +99,15 @@ def reuse_vae(preset: ModelPreset, cache_dir: Path, checkpoint: Path) -> None:
     vae.load_state_dict(sd)  # strict: a VAE of another shape is an error here, not at assembly
     cache_dir.mkdir(parents=True, exist_ok=True)
     torch.save(vae.state_dict(), cache_dir / "vae_final.pt")
-    carried = {k: v for k, v in meta.items() if k.startswith("vae_") and not k.startswith("vae_chain")}
+    # every VAE figure, the decoder stages' too: these are the decoder weights reused; a decoder stage
+    # run on top replaces them at assembly
+    carried = {k: v for k, v in meta.items() if k.startswith(("vae_", "chain_"))}
     carried["vae_reused_from"] = f"{checkpoint.name} (git {meta.get('git_commit', '?')})"
     (cache_dir / "vae_reused.json").write_text(json.dumps(carried, indent=1))
     log.info("vae reused from %s: %s", checkpoint, carried)
+
+
+DECODER_META = ("vae_decoder", "vae_chain", "chain_")  # metadata of the decoder-only stages
 
 
 def _state(path: Path) -> TrainState:
@@ -154,14 +159,20 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
             mods["audio"].load_state_dict(blob["modules"]["ema_audio"])
             trained.update({"a2v_steps": str(st.step), "a2v_minutes": f"{st.elapsed_s / 60:.1f}",
                             "a2v_final_loss": f"{st.losses[-1]:.4f}" if st.losses else "nan"})
+            if st.init_from:
+                trained["a2v_init_from"] = st.init_from
         else:
             mods["sr"].load_state_dict(blob["modules"]["ema_sr"])
             trained.update({"sr_steps": str(st.step), "sr_minutes": f"{st.elapsed_s / 60:.1f}",
                             "sr_eval_l1": f"{st.extra.get('eval_l1', float('nan')):.4f}",
                             "sr_detail_weight": f"{st.extra.get('detail_weight', 0.0):g}"})
+            if st.init_from:
+                trained["sr_init_from"] = st.init_from
     reused = cache_dir / "vae_reused.json"
     if reused.is_file():
         vae_meta: dict[str, str] = json.loads(reused.read_text())
+        if decoder_meta:  # this run retrained the reused decoder: the reused checkpoint's decoder figures go
+            vae_meta = {k: v for k, v in vae_meta.items() if not k.startswith(DECODER_META)}
     else:
         st_v = _state(cache_dir / "vae_state.pt")
         vae_meta = {"vae_steps": str(st_v.step), "vae_minutes": f"{st_v.elapsed_s / 60:.1f}",

@@ -28,6 +28,7 @@ from models.training.common import (
     save_state,
     setup_logging,
     step_generator,
+    warm_start,
 )
 from models.training.data import LatentClips
 from models.training.train_a2v import EMA, change_weights, lowres
@@ -57,9 +58,12 @@ def sr_eval(sr: SRDiT, clips: LatentClips, lr_all: torch.Tensor, count: int = 64
 
 def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes: float, seed: int = 0,
              batch: int = 16, lr: float = 1e-3, noise: float = 0.15, log_every: int = 20,
-             save_every_s: float = 120.0, threads: int | None = None, detail_weight: float = 0.0
-             ) -> dict[str, float]:
+             save_every_s: float = 120.0, threads: int | None = None, detail_weight: float = 0.0,
+             init_from: Path | None = None) -> dict[str, float]:
     """Train (or resume) until ``minutes`` of wall time in total; returns final figures.
+
+    ``init_from``: a fresh run starts from that checkpoint's SR (its EMA weights) instead of bilinear
+    upsampling (:func:`~models.training.common.warm_start`).
 
     ``detail_weight`` > 0 multiplies each cell's change weight by ``1 + detail_weight * coverage`` of
     the face's small features (the latent cache's ``detail``; issue 15)."""
@@ -82,6 +86,11 @@ def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes:
     losses = LossLog(state_path.with_suffix(".jsonl"), "sr")
     if "bilinear_l1" not in st.extra:
         st.extra["bilinear_l1"] = sr_eval(sr, clips, lr_all) if st.step == 0 else float("nan")
+    if init_from is not None:
+        warm_start({"sr": sr}, init_from, preset.name, st)
+        if st.step == 0:
+            ema = EMA({"sr": sr})
+            st.extra["init_l1"] = sr_eval(sr, clips, lr_all)
     last_save = budget.elapsed_s
     while not budget.done():
         gen = step_generator(seed, st.step, 2)
@@ -123,10 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--detail-weight", type=float, default=0.0,
                    help="extra loss weight on latent cells showing the face's small features (issue 15)")
+    p.add_argument("--from", dest="from_checkpoint", type=Path, default=None,
+                   help="start from this checkpoint's SR (a fresh state file only)")
     a = p.parse_args(argv)
     setup_logging(a.cache_dir / "train.log")
     out = train_sr(get_preset(a.preset), a.cache_dir / "latents", a.cache_dir / "sr_state.pt", minutes=a.minutes,
-                   seed=a.seed, threads=a.threads, detail_weight=a.detail_weight)
+                   seed=a.seed, threads=a.threads, detail_weight=a.detail_weight, init_from=a.from_checkpoint)
     log.info("sr done: %s", out)
     return 0
 

@@ -243,7 +243,7 @@ def test_reuse_vae_takes_weights_and_metadata_of_an_earlier_checkpoint(tmp_path:
     assert all(torch.equal(v, got[k]) for k, v in mods["vae"].state_dict().items())
     import json
     carried = json.loads((tmp_path / "cache" / "vae_reused.json").read_text())
-    assert carried["vae_steps"] == "7" and "vae_chain_steps" not in carried  # the chain is retrained
+    assert carried["vae_steps"] == "7" and carried["vae_chain_steps"] == "2"  # the decoder reused is that one
     assert carried["vae_reused_from"] == "old.safetensors (git abc)"
     save_checkpoint(mods, tmp_path / "other.safetensors", metadata={"preset": "14b"})
     with pytest.raises(ValueError, match="preset '14b'"):
@@ -261,7 +261,8 @@ def test_decoder_fine_tune_on_a_shipped_checkpoint_keeps_its_other_modules(tmp_p
     base_mods = build_modules(p, seed=3)
     base = tmp_path / "base.safetensors"
     save_checkpoint(base_mods, base, metadata={"preset": "tiny", "git_commit": "abc", "vae_steps": "7",
-                                               "a2v_steps": "11", "sr_steps": "5", "sr_eval_l1": "0.1"})
+                                               "a2v_steps": "11", "sr_steps": "5", "sr_eval_l1": "0.1",
+                                               "vae_decoder_steps": "4", "vae_chain_steps": "2"})
     cache = tmp_path / "cache"
     reuse_vae(p, cache, base)
     with pytest.raises(FileNotFoundError, match="--from"):
@@ -273,6 +274,8 @@ def test_decoder_fine_tune_on_a_shipped_checkpoint_keeps_its_other_modules(tmp_p
     meta = assemble_checkpoint(p, cache, tmp_path / "new.safetensors", seed=0, base=base)
     assert meta["a2v_steps"] == "11" and meta["sr_steps"] == "5" and meta["vae_chain_detail_weight"] == "8"
     assert meta["base_checkpoint"] == "base.safetensors (git abc)"
+    # the base's decoder figures went with its decoder; the VAE's own stay (its encoder is kept)
+    assert "vae_decoder_steps" not in meta and meta["vae_chain_steps"] == str(c["steps"]) and meta["vae_steps"] == "7"
     fresh = build_modules(p, seed=5)
     load_checkpoint(fresh, tmp_path / "new.safetensors")
     for name in ("a2v", "audio", "sr", "text"):
@@ -280,6 +283,51 @@ def test_decoder_fine_tune_on_a_shipped_checkpoint_keeps_its_other_modules(tmp_p
     new_vae, old_vae = fresh["vae"].state_dict(), base_mods["vae"].state_dict()
     assert all(torch.equal(new_vae[k], v) for k, v in old_vae.items() if k.startswith("encoder."))
     assert any(not torch.equal(new_vae[k], v) for k, v in old_vae.items() if k.startswith("decoder."))
+
+
+def _leaf(sd: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    return next(v for k, v in sd.items() if k.startswith(prefix) and v.dim() == 2)
+
+
+def test_a2v_and_sr_warm_start_from_a_shipped_checkpoint(cache: Path, tmp_path: Path) -> None:
+    """--from: a fresh A2V / SR run begins at the checkpoint's weights (not the seeded init), says so in
+    its state and in the assembled checkpoint; a resumed state that began elsewhere is refused."""
+    from models.checkpoint import save_checkpoint
+    from models.training.train_all import reuse_vae
+
+    p = small_preset()
+    base_mods = build_modules(p, seed=3)
+    base = tmp_path / "base.safetensors"
+    save_checkpoint(base_mods, base, metadata={"preset": "tiny", "git_commit": "abc", "vae_steps": "7",
+                                               "vae_chain_steps": "2", "a2v_steps": "11", "sr_steps": "5"})
+    run = tmp_path / "run"
+    reuse_vae(p, run, base)
+    (run / "latents").symlink_to(cache / "latents")
+    a = train_a2v(p, run / "latents", run / "a2v_state.pt", minutes=0.03, batch_n=2, batch_i=4, log_every=1,
+                  init_from=base)
+    assert a["steps"] >= 1
+    blob = torch.load(run / "a2v_state.pt", weights_only=False)
+    assert blob["state"]["init_from"] == "base.safetensors (git abc, a2v_steps 11)"
+    seeded = build_modules(p, seed=0)
+    for name in ("a2v", "audio"):  # the EMA (what ships) is at the base, far from the seeded init
+        got, want, init = (_leaf(sd, "") for sd in (blob["modules"][f"ema_{name}"], base_mods[name].state_dict(),
+                                                     seeded[name].state_dict()))
+        assert (got - want).norm() < 0.3 * (init - want).norm()
+    again = train_a2v(p, run / "latents", run / "a2v_state.pt", minutes=0.05, batch_n=2, batch_i=4, init_from=base)
+    assert again["steps"] > a["steps"]  # the same --from resumes
+    save_checkpoint(base_mods, tmp_path / "other.safetensors", metadata={"preset": "tiny"})
+    with pytest.raises(ValueError, match="began from base.safetensors.*drop --from"):
+        train_a2v(p, run / "latents", run / "a2v_state.pt", minutes=0.06, init_from=tmp_path / "other.safetensors")
+    save_checkpoint(base_mods, tmp_path / "wan.safetensors", metadata={"preset": "14b"})
+    with pytest.raises(ValueError, match="preset '14b'"):
+        train_sr(p, run / "latents", run / "sr_x_state.pt", minutes=0.01, init_from=tmp_path / "wan.safetensors")
+    s = train_sr(p, run / "latents", run / "sr_state.pt", minutes=0.02, batch=8, log_every=1, init_from=base)
+    assert s["init_l1"] != pytest.approx(s["bilinear_l1"])  # the base's SR, not bilinear upsampling
+    meta = assemble_checkpoint(p, run, tmp_path / "new.safetensors", seed=0, base=base)
+    assert meta["a2v_init_from"] == "base.safetensors (git abc, a2v_steps 11)"
+    assert meta["sr_init_from"] == "base.safetensors (git abc, sr_steps 5)"
+    assert meta["a2v_steps"] == str(again["steps"]) and meta["sr_steps"] == str(s["steps"])
+    assert meta["vae_chain_steps"] == "2"  # no decoder stage ran: the reused decoder's figures stay
 
 
 def test_the_scored_pipeline_follows_the_chunk_plan(tmp_path: Path) -> None:
