@@ -97,28 +97,39 @@ def load_state(path: Path, modules: dict[str, nn.Module], opt: torch.optim.Optim
     return st
 
 
-def warm_start(modules: dict[str, nn.Module], checkpoint: Path, preset: str, state: TrainState) -> None:
+def checked_metadata(checkpoint: Path, preset: str) -> dict[str, str]:
+    """The metadata of ``checkpoint`` (a ``--from`` argument), checked to be a checkpoint of ``preset``
+    before any weights are read: a clear error instead of a shape mismatch inside a load."""
+    if not checkpoint.is_file():
+        raise FileNotFoundError(f"--from {checkpoint}: no such file (pass a .safetensors checkpoint of preset "
+                                f"{preset!r}, e.g. models/checkpoints/{preset}.safetensors)")
+    with safe_open(str(checkpoint), "pt") as f:
+        meta = dict(f.metadata() or {})
+    if meta.get("preset") != preset:
+        raise ValueError(f"--from {checkpoint}: a checkpoint of preset {meta.get('preset')!r}, not {preset!r}")
+    return meta
+
+
+def warm_start(modules: dict[str, nn.Module], checkpoint: Path, preset: str, state: TrainState) -> bool:
     """Start a fresh run from a shipped checkpoint's weights instead of the seeded init.
 
     ``modules`` maps checkpoint module names (``a2v``, ``audio``, ``sr``) to the modules to fill; the
     checkpoint must be of ``preset``. Records where the run began in ``state.init_from`` (carried into
-    the assembled checkpoint's metadata). Raises on a resumed state that began elsewhere: resuming
-    is never silently re-initialised."""
+    the assembled checkpoint's metadata). Returns whether it loaded weights (False: ``state`` is a
+    resumed run that began from this checkpoint, its own weights stand). Raises on a resumed state
+    that began elsewhere: resuming is never silently re-initialised."""
     if state.step > 0:
         if not state.init_from.startswith(f"{checkpoint.name} "):
             raise ValueError(f"--from {checkpoint}: the training state to resume (step {state.step}) began from "
                              f"{state.init_from or 'the seeded init'}; drop --from to resume it, or delete the "
                              "state file to start over from the checkpoint")
-        return
-    with safe_open(str(checkpoint), "pt") as f:
-        found = (f.metadata() or {}).get("preset")
-    if found != preset:
-        raise ValueError(f"--from {checkpoint}: a checkpoint of preset {found!r}, not {preset!r}")
+        return False
+    checked_metadata(checkpoint, preset)
     meta = load_checkpoint(modules, checkpoint)
-    steps = {k: meta[k] for k in sorted(meta) if any(k == f"{m}_steps" for m in modules)}
-    state.init_from = f"{checkpoint.name} (git {meta.get('git_commit', '?')}, " + \
-        ", ".join(f"{k} {v}" for k, v in steps.items()) + ")"
+    steps = ", ".join(f"{m}_steps {meta[f'{m}_steps']}" for m in modules if f"{m}_steps" in meta)
+    state.init_from = f"{checkpoint.name} (git {meta.get('git_commit', '?')}{', ' + steps if steps else ''})"
     log.info("warm start from %s: %s", checkpoint, state.init_from)
+    return True
 
 
 class LossLog:

@@ -193,10 +193,8 @@ def train_a2v(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes
     opt = torch.optim.AdamW([p for m in train_mods.values() for p in m.parameters()], lr=lr, weight_decay=0.01,
                             betas=(0.9, 0.99))
     st = load_state(state_path, {**train_mods, "ema_a2v": ema.shadow["a2v"], "ema_audio": ema.shadow["audio"]}, opt)
-    if init_from is not None:
-        warm_start(train_mods, init_from, preset.name, st)
-        if st.step == 0:
-            ema = EMA(train_mods)
+    if init_from is not None and warm_start(train_mods, init_from, preset.name, st):
+        ema = EMA(train_mods)  # the average starts at the loaded weights, not at the seeded init
     clips = LatentClips(cache_dir)
     batcher = A2VBatcher(clips, preset, anchor_noise=anchor_noise)
     budget = Budget(minutes, st.elapsed_s)

@@ -32,7 +32,14 @@ import torch
 
 from models.checkpoint import build_modules, load_checkpoint, save_checkpoint
 from models.presets import ModelPreset, get_preset
-from models.training.common import DEFAULT_CACHE, REPO_ROOT, TrainState, git_commit, setup_logging
+from models.training.common import (
+    DEFAULT_CACHE,
+    REPO_ROOT,
+    TrainState,
+    checked_metadata,
+    git_commit,
+    setup_logging,
+)
 from models.training.data import build_latent_cache
 from models.training.train_a2v import train_a2v
 from models.training.train_sr import train_sr
@@ -77,6 +84,7 @@ def chain_decoder(preset: ModelPreset, cache_dir: Path, minutes: float, seed: in
     if sr_state.is_file():
         sr.load_state_dict(torch.load(sr_state, map_location="cpu", weights_only=False)["modules"]["ema_sr"])
     elif base is not None:
+        checked_metadata(base, preset.name)
         load_checkpoint({"sr": sr}, base)
     else:
         raise FileNotFoundError(f"{sr_state} does not exist: train the SR first (train_sr), or pass --from "
@@ -88,15 +96,9 @@ def chain_decoder(preset: ModelPreset, cache_dir: Path, minutes: float, seed: in
 def reuse_vae(preset: ModelPreset, cache_dir: Path, checkpoint: Path) -> None:
     """Stage 1 from an earlier checkpoint: its VAE weights -> ``vae_final.pt``, its VAE metadata ->
     ``vae_reused.json`` (read by :func:`assemble_checkpoint`)."""
-    from safetensors import safe_open
-
-    with safe_open(str(checkpoint), "pt") as f:
-        meta = f.metadata() or {}
-        sd = {k.removeprefix("vae."): f.get_tensor(k) for k in f.keys() if k.startswith("vae.")}
-    if meta.get("preset") != preset.name:
-        raise ValueError(f"--from {checkpoint}: a checkpoint of preset {meta.get('preset')!r}, not {preset.name!r}")
+    meta = checked_metadata(checkpoint, preset.name)
     vae = CausalVAE(preset.vae)
-    vae.load_state_dict(sd)  # strict: a VAE of another shape is an error here, not at assembly
+    load_checkpoint({"vae": vae}, checkpoint)  # strict: a VAE of another shape is an error here, not at assembly
     cache_dir.mkdir(parents=True, exist_ok=True)
     torch.save(vae.state_dict(), cache_dir / "vae_final.pt")
     # every VAE figure, the decoder stages' too: these are the decoder weights reused; a decoder stage
@@ -123,7 +125,10 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
     ``a2v_state.pt``: A2V and audio; no ``sr_state.pt``: SR) keeps ``base``'s weights, and ``base``'s
     metadata for them is carried; without it every stage must have run."""
     mods = build_modules(preset, seed)
-    base_meta = load_checkpoint(mods, base) if base is not None else {}
+    base_meta: dict[str, str] = {}
+    if base is not None:
+        checked_metadata(base, preset.name)
+        base_meta = load_checkpoint(mods, base)
     # the decoder stages, in order (same encoder weights): fine-tuned after the encoder froze, then on
     # SR outputs; the last one that ran holds the shipped VAE. Each state file is read once.
     vae_sd = None

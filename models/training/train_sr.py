@@ -86,11 +86,9 @@ def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes:
     losses = LossLog(state_path.with_suffix(".jsonl"), "sr")
     if "bilinear_l1" not in st.extra:
         st.extra["bilinear_l1"] = sr_eval(sr, clips, lr_all) if st.step == 0 else float("nan")
-    if init_from is not None:
-        warm_start({"sr": sr}, init_from, preset.name, st)
-        if st.step == 0:
-            ema = EMA({"sr": sr})
-            st.extra["init_l1"] = sr_eval(sr, clips, lr_all)
+    if init_from is not None and warm_start({"sr": sr}, init_from, preset.name, st):
+        ema = EMA({"sr": sr})  # the average starts at the loaded weights, not at bilinear upsampling
+        st.extra["init_l1"] = sr_eval(sr, clips, lr_all)
     last_save = budget.elapsed_s
     while not budget.done():
         gen = step_generator(seed, st.step, 2)

@@ -285,8 +285,13 @@ def test_decoder_fine_tune_on_a_shipped_checkpoint_keeps_its_other_modules(tmp_p
     assert any(not torch.equal(new_vae[k], v) for k, v in old_vae.items() if k.startswith("decoder."))
 
 
-def _leaf(sd: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
-    return next(v for k, v in sd.items() if k.startswith(prefix) and v.dim() == 2)
+def _first_matrix(sd: dict[str, torch.Tensor]) -> torch.Tensor:
+    return next(v for v in sd.values() if v.dim() == 2)
+
+
+def _same_weights(sd: dict[str, torch.Tensor], module: torch.nn.Module) -> bool:
+    want = module.state_dict()
+    return sd.keys() == want.keys() and all(torch.equal(v, want[k]) for k, v in sd.items())
 
 
 def test_a2v_and_sr_warm_start_from_a_shipped_checkpoint(cache: Path, tmp_path: Path) -> None:
@@ -303,6 +308,13 @@ def test_a2v_and_sr_warm_start_from_a_shipped_checkpoint(cache: Path, tmp_path: 
     run = tmp_path / "run"
     reuse_vae(p, run, base)
     (run / "latents").symlink_to(cache / "latents")
+    # a zero budget takes no step: what is saved is exactly what the warm start put in, averages included
+    train_a2v(p, run / "latents", tmp_path / "a2v_zero.pt", minutes=0.0, init_from=base)
+    zero = torch.load(tmp_path / "a2v_zero.pt", weights_only=False)["modules"]
+    for name in ("a2v", "audio"):
+        assert _same_weights(zero[name], base_mods[name]) and _same_weights(zero[f"ema_{name}"], base_mods[name])
+    train_sr(p, run / "latents", tmp_path / "sr_zero.pt", minutes=0.0, init_from=base)
+    assert _same_weights(torch.load(tmp_path / "sr_zero.pt", weights_only=False)["modules"]["ema_sr"], base_mods["sr"])
     a = train_a2v(p, run / "latents", run / "a2v_state.pt", minutes=0.03, batch_n=2, batch_i=4, log_every=1,
                   init_from=base)
     assert a["steps"] >= 1
@@ -310,7 +322,7 @@ def test_a2v_and_sr_warm_start_from_a_shipped_checkpoint(cache: Path, tmp_path: 
     assert blob["state"]["init_from"] == "base.safetensors (git abc, a2v_steps 11)"
     seeded = build_modules(p, seed=0)
     for name in ("a2v", "audio"):  # the EMA (what ships) is at the base, far from the seeded init
-        got, want, init = (_leaf(sd, "") for sd in (blob["modules"][f"ema_{name}"], base_mods[name].state_dict(),
+        got, want, init = (_first_matrix(sd) for sd in (blob["modules"][f"ema_{name}"], base_mods[name].state_dict(),
                                                      seeded[name].state_dict()))
         assert (got - want).norm() < 0.3 * (init - want).norm()
     again = train_a2v(p, run / "latents", run / "a2v_state.pt", minutes=0.05, batch_n=2, batch_i=4, init_from=base)
@@ -321,6 +333,8 @@ def test_a2v_and_sr_warm_start_from_a_shipped_checkpoint(cache: Path, tmp_path: 
     save_checkpoint(base_mods, tmp_path / "wan.safetensors", metadata={"preset": "14b"})
     with pytest.raises(ValueError, match="preset '14b'"):
         train_sr(p, run / "latents", run / "sr_x_state.pt", minutes=0.01, init_from=tmp_path / "wan.safetensors")
+    with pytest.raises(FileNotFoundError, match="--from .*no such file"):
+        train_sr(p, run / "latents", run / "sr_x_state.pt", minutes=0.01, init_from=tmp_path / "missing.safetensors")
     s = train_sr(p, run / "latents", run / "sr_state.pt", minutes=0.02, batch=8, log_every=1, init_from=base)
     assert s["init_l1"] != pytest.approx(s["bilinear_l1"])  # the base's SR, not bilinear upsampling
     meta = assemble_checkpoint(p, run, tmp_path / "new.safetensors", seed=0, base=base)
