@@ -122,7 +122,8 @@ def build_latent_cache(vae: CausalVAE, out_dir: Path, num_clips: int, clip_frame
     Each shard ``shard_XXXX.pt`` holds ``hr`` (n, T, C, 32, 32) float16 hr latents, ``ref`` (n, C, 32, 32)
     float16 (the identity's neutral reference frame), ``audio`` (n, (T + 2*audio_context) * 640) float32
     (the audio of the clip with ``audio_context`` frames on each side, as the audio encoder wants it),
-    ``mouth`` (n, T) float32, ``identity`` (n,) int64 and ``detail`` (n, T, 32, 32) float16: the
+    ``mouth`` (n, T) float32, ``mouth_box`` (n, T, 4) int16 (each frame's mouth box in pixels, x0, y0, x1, y1:
+    where speech moves the face), ``identity`` (n,) int64 and ``detail`` (n, T, 32, 32) float16: the
     fraction of each latent cell's pixels that show the face's small features (:data:`DETAIL_REGIONS`).
     Existing shards are kept (resume).
     ``worker`` / ``num_workers``: this process builds shards ``s % num_workers == worker`` only (run
@@ -140,7 +141,7 @@ def build_latent_cache(vae: CausalVAE, out_dir: Path, num_clips: int, clip_frame
         paths.append(path)
         if path.is_file() or s % num_workers != worker:
             continue
-        hr, ref, audio, mouth, ident, detail = [], [], [], [], [], []
+        hr, ref, audio, mouth, mbox, ident, detail = [], [], [], [], [], [], []
         for j in range(s * shard_clips, min(num_clips, (s + 1) * shard_clips)):
             rng = np.random.default_rng([seed, j, 17])
             identity = lo + int(rng.integers(span))
@@ -154,13 +155,15 @@ def build_latent_cache(vae: CausalVAE, out_dir: Path, num_clips: int, clip_frame
             ref.append(zr.half())
             audio.append(torch.from_numpy(clip.audio))
             mouth.append(torch.from_numpy(clip.mouth_open[audio_context : audio_context + clip_frames]))
+            mbox.append(torch.from_numpy(clip.mouth_box[audio_context : audio_context + clip_frames]).short())
             ident.append(identity)
             assert clip.detail is not None
             cover = torch.from_numpy(clip.detail[audio_context : audio_context + clip_frames])[:, None]  # (T, 1, S, S)
             detail.append(torch.nn.functional.avg_pool2d(cover, size // z.shape[-1])[:, 0].half())
         tmp = path.with_name(path.name + ".tmp")
         torch.save({"hr": torch.stack(hr), "ref": torch.stack(ref), "audio": torch.stack(audio),
-                    "mouth": torch.stack(mouth), "identity": torch.tensor(ident), "detail": torch.stack(detail)}, tmp)
+                    "mouth": torch.stack(mouth), "mouth_box": torch.stack(mbox), "identity": torch.tensor(ident),
+                    "detail": torch.stack(detail)}, tmp)
         tmp.replace(path)
         log.info("latent cache: shard %d/%d written (%.0f s)", s + 1, n_shards, time.monotonic() - t0)
     return paths
@@ -168,7 +171,8 @@ def build_latent_cache(vae: CausalVAE, out_dir: Path, num_clips: int, clip_frame
 
 class LatentClips:
     """Every cached shard in memory: ``hr`` (N, T, C, H, W) float32, ``ref`` (N, C, H, W), ``audio``
-    (N, S), ``mouth`` (N, T), ``detail`` (N, T, H, W) or None (a cache written before it was kept).
+    (N, S), ``mouth`` (N, T), ``mouth_box`` (N, T, 4) float32 pixels and ``detail`` (N, T, H, W), each None
+    for a cache written before it was kept.
     Windows are sliced by the trainers."""
 
     def __init__(self, cache_dir: Path) -> None:
@@ -183,6 +187,8 @@ class LatentClips:
         self.mouth = torch.cat([b["mouth"] for b in blobs]).float()
         self.identity = torch.cat([b["identity"] for b in blobs])
         self.detail = torch.cat([b["detail"] for b in blobs]).float() if all("detail" in b for b in blobs) else None
+        self.mouth_box = (torch.cat([b["mouth_box"] for b in blobs]).float()
+                          if all("mouth_box" in b for b in blobs) else None)
         log.info("latent clips: %d clips x %d frames from %d shards", self.hr.shape[0], self.hr.shape[1], len(paths))
 
     @property

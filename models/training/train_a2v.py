@@ -17,7 +17,10 @@ little noise only (``anchor_noise``: joining them exactly is what removes seams)
 stays clean (at inference it is the exact reference latent). Loss: |v - (noise - x0)|^2 on unknown
 frames only, each latent cell weighted by how far it is from the reference's (``change_weights``: the
 mouth, the eyes and the head's motion are a few cells of the frame, and an unweighted loss is
-satisfied by a still face). An EMA of the weights is what ships.
+satisfied by a still face), and with ``mouth_weight`` > 0 by ``1 + mouth_weight * `` the cell's
+coverage by the frame's mouth box (``box_cover`` of the cache's ``mouth_box``: the lips move a few
+pixels, and appearance, which improves with every step, must not win over them). An EMA of the
+weights is what ships.
 The text encoder stays at its seeded init (frozen); with probability ``text_prob`` a prompt is passed
 so the DiT learns that a prompt does not change the face.
 """
@@ -71,6 +74,17 @@ def change_weights(x_BCThw: torch.Tensor, ref_BChw: torch.Tensor, gain: float = 
     return (1 + gain * d).clamp_max(cap)
 
 
+def box_cover(boxes_BT4: torch.Tensor, h: int, w: int, cell: float) -> torch.Tensor:
+    """``(B, T, h, w)``: the fraction of each ``cell``-pixel latent cell inside the box ``(x0, y0, x1, y1)``
+    (pixels) of each frame."""
+    def overlap(lo: torch.Tensor, hi: torch.Tensor, n: int) -> torch.Tensor:  # (B, T, n)
+        e = torch.arange(n, dtype=torch.float32) * cell
+        return (torch.minimum(hi[..., None], e + cell) - torch.maximum(lo[..., None], e)).clamp_min(0) / cell
+
+    b = boxes_BT4.float()
+    return overlap(b[..., 1], b[..., 3], h)[..., :, None] * overlap(b[..., 0], b[..., 2], w)[..., None, :]
+
+
 class A2VBatcher:
     """Draws training windows from :class:`LatentClips` (all randomness from the step's generator)."""
 
@@ -90,6 +104,7 @@ class A2VBatcher:
             raise ValueError(f"cached clips have {clips.clip_frames} frames; the N window needs "
                              f"{self.kinds['N'][0]}: rebuild the cache with longer clips")
         self.ref_lr = lowres(clips.ref[:, None], preset.lowres_factor)[:, 0]  # (N, C, h, w)
+        self.cell_px = preset.height / self.lr.shape[-2]  # pixels per low-res latent cell
 
     def draw_kind(self, gen: torch.Generator, probs: tuple[tuple[str, float], ...] | None = None) -> str:
         """The window kind of a step; by default only the kinds the pipeline runs for this preset."""
@@ -133,12 +148,17 @@ class A2VBatcher:
         ctx = x0 + sig * torch.randn(x0.shape, generator=gen) + bias
         if ref_slot:  # at inference the reference slot is exact: never corrupted
             ctx[:, :, 0] = self.ref_lr[idx]
-        return {"x0": x0, "ctx": ctx, "wave": waves, "known": known, "frame_index": frame_index,
-                "ref": self.clips.ref[idx], "ref_lr": self.ref_lr[idx], "mouth": self.clips.mouth[idx]}
+        out = {"x0": x0, "ctx": ctx, "wave": waves, "known": known, "frame_index": frame_index,
+               "ref": self.clips.ref[idx], "ref_lr": self.ref_lr[idx], "mouth": self.clips.mouth[idx]}
+        if self.clips.mouth_box is not None:  # (B, T, h, w); the reference slot's frame is known: never weighted
+            boxes = torch.stack([self.clips.mouth_box[i, s : s + T]
+                                 for i, s in zip(idx.tolist(), start.tolist(), strict=True)])
+            out["mouth_cover"] = box_cover(boxes, x0.shape[-2], x0.shape[-1], self.cell_px)
+        return out
 
 
 def flow_loss(dit: A2VDiT, audio: AudioEncoder, b: dict[str, torch.Tensor], gen: torch.Generator, shift: float,
-              text: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+              text: tuple[torch.Tensor, torch.Tensor] | None, mouth_weight: float = 0.0) -> torch.Tensor:
     x0, known = b["x0"], b["known"]
     B, C, T = x0.shape[:3]
     u = torch.rand(B, generator=gen)
@@ -151,6 +171,8 @@ def flow_loss(dit: A2VDiT, audio: AudioEncoder, b: dict[str, torch.Tensor], gen:
     text_B = (text[0].expand(B, -1, -1), text[1].expand(B, -1)) if text is not None else (None, None)
     v = dit(x_t, t, known, b["frame_index"], b["ref"], feats, text_B[0], text_B[1])
     w = change_weights(x0, b["ref_lr"]) * (~known).float()[:, :, None, None]  # (B, T, h, w)
+    if mouth_weight > 0.0:
+        w = w * (1.0 + mouth_weight * b["mouth_cover"])
     err = (v - (noise - x0)).pow(2).mean(dim=1)  # (B, T, h, w)
     return (err * w).sum() / w.sum()
 
@@ -170,11 +192,12 @@ def train_a2v(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes
               batch_n: int = 6, batch_i: int = 16, lr: float = 1e-3, text_prob: float = 0.25,
               ema_max: float = 0.998, log_every: int = 20, save_every_s: float = 120.0,
               threads: int | None = None, anchor_noise: float | None = 0.05,
-             init_from: Path | None = None) -> dict[str, float]:
+             init_from: Path | None = None, mouth_weight: float = 0.0) -> dict[str, float]:
     """Train (or resume) for ``minutes`` of wall time in total; the state file holds model + EMA weights.
 
     ``init_from``: a fresh run starts from that checkpoint's A2V and audio encoder (its EMA weights)
-    instead of the seeded init (:func:`~models.training.common.warm_start`)."""
+    instead of the seeded init (:func:`~models.training.common.warm_start`). ``mouth_weight``: see the
+    module's docstring; it needs a cache with mouth boxes."""
     if threads:
         torch.set_num_threads(threads)
     base = build_modules(preset, seed)
@@ -196,6 +219,11 @@ def train_a2v(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes
     if init_from is not None and warm_start(train_mods, init_from, preset.name, st):
         ema = EMA(train_mods)  # the average starts at the loaded weights, not at the seeded init
     clips = LatentClips(cache_dir)
+    if mouth_weight > 0.0 and clips.mouth_box is None:
+        raise ValueError(f"mouth_weight={mouth_weight}: the latent cache in {cache_dir} has no mouth boxes (written "
+                         "before they were kept): rebuild it with `models.training.train_all --stage cache`, "
+                         "or pass --mouth-weight 0")
+    st.extra["mouth_weight"] = mouth_weight
     batcher = A2VBatcher(clips, preset, anchor_noise=anchor_noise)
     budget = Budget(minutes, st.elapsed_s)
     losses = LossLog(state_path.with_suffix(".jsonl"), "a2v")
@@ -209,7 +237,7 @@ def train_a2v(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes
             text = prompts[int(torch.randint(len(prompts), (1,), generator=gen))]
         for g in opt.param_groups:
             g["lr"] = cosine_lr(lr, budget.fraction)
-        loss = flow_loss(dit, audio, b, gen, preset.shift, text)
+        loss = flow_loss(dit, audio, b, gen, preset.shift, text, mouth_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(opt.param_groups[0]["params"], 1.0)
@@ -241,12 +269,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="max noise on I anchors (no colour offset), or 'context' to corrupt them like N context")
     p.add_argument("--from", dest="from_checkpoint", type=Path, default=None,
                    help="start from this checkpoint's A2V and audio encoder (a fresh state file only)")
+    p.add_argument("--mouth-weight", type=float, default=0.0,
+                   help="extra loss weight on the cells of each frame's mouth box (1 + w * coverage)")
     a = p.parse_args(argv)
     setup_logging(a.cache_dir / "train.log")
     out = train_a2v(get_preset(a.preset), a.cache_dir / "latents", a.cache_dir / "a2v_state.pt",
                     minutes=a.minutes, seed=a.seed, lr=a.lr, threads=a.threads,
                     anchor_noise=None if a.anchor_noise == "context" else float(a.anchor_noise),
-                    init_from=a.from_checkpoint)
+                    init_from=a.from_checkpoint, mouth_weight=a.mouth_weight)
     log.info("a2v done: %s", out)
     return 0
 

@@ -163,7 +163,8 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
             mods["a2v"].load_state_dict(blob["modules"]["ema_a2v"])
             mods["audio"].load_state_dict(blob["modules"]["ema_audio"])
             trained.update({"a2v_steps": str(st.step), "a2v_minutes": f"{st.elapsed_s / 60:.1f}",
-                            "a2v_final_loss": f"{st.losses[-1]:.4f}" if st.losses else "nan"})
+                            "a2v_final_loss": f"{st.losses[-1]:.4f}" if st.losses else "nan",
+                            "a2v_mouth_weight": f"{st.extra.get('mouth_weight', 0.0):g}"})
             if st.init_from:
                 trained["a2v_init_from"] = st.init_from
         else:

@@ -150,8 +150,13 @@ def test_latent_cache_layout_and_windows(cache: Path) -> None:
     # the face's features per latent cell: a fraction, on the face only (the corner cells are background)
     assert clips.detail is not None and clips.detail.shape == (3, 21, 8, 8)
     assert 0.0 < float(clips.detail.max()) <= 1.0 and float(clips.detail[..., 0, 0].max()) == 0.0
+    assert clips.mouth_box is not None and clips.mouth_box.shape == (3, 21, 4)
     assert p.reference_frame and p.lowres_factor == 2
     b = A2VBatcher(clips, p)
+    # each frame's mouth box as a coverage of the 16-px low-res cells: on the face, all of the box
+    mc = b.batch(step_generator(1, 0), "N", 2)["mouth_cover"]
+    assert mc.shape == (2, 21, 4, 4) and float(mc.min()) >= 0.0 and float(mc.max()) <= 1.0
+    assert float(mc[..., 0, 0].max()) == 0.0 and bool((mc.sum(dim=(-2, -1)) > 0).all())
     # N: the reference slot + C context frames known; R: N_0 with the reference slot
     for kind, (t, known) in {"N": (21, 5), "N0": (16, 0), "I": (6, 2), "R": (17, 1)}.items():
         batch = b.batch(step_generator(1, 0), kind, 2)
@@ -184,11 +189,28 @@ def test_change_weights_favour_what_moves() -> None:
     assert torch.allclose(still, torch.ones_like(still))  # nothing moves: the plain loss
 
 
+def test_box_cover_is_the_boxs_share_of_each_cell() -> None:
+    from models.training.train_a2v import box_cover
+
+    c = box_cover(torch.tensor([[[8, 0, 24, 16], [0, 0, 64, 64]]]), 4, 4, 16.0)  # (1, 2, 4, 4)
+    assert c[0, 0, 0].tolist() == [0.5, 0.5, 0.0, 0.0] and float(c[0, 0, 1:].abs().sum()) == 0.0
+    assert bool((c[0, 1] == 1.0).all())
+    box = torch.tensor([[[100, 150, 140, 170]]])  # 40 x 20 px over 16-px cells: the box's area in cells
+    assert float(box_cover(box, 16, 16, 16.0).sum()) * 256 == pytest.approx(800.0)
+
+
 def test_a2v_and_sr_train_resume_and_assemble(cache: Path) -> None:
     p = small_preset()
     a1 = train_a2v(p, cache / "latents", cache / "a2v_state.pt", minutes=0.05, batch_n=2, batch_i=4, log_every=2)
     a2 = train_a2v(p, cache / "latents", cache / "a2v_state.pt", minutes=0.1, batch_n=2, batch_i=4, log_every=2)
     assert a2["steps"] > a1["steps"] >= 2
+    # the mouth weight: step 1's loss differs from the plain run's (same seed, batch and init), and is recorded
+    for w in (0.0, 6.0):
+        train_a2v(p, cache / "latents", cache / f"a2v_mouth{w:g}_state.pt", minutes=0.02, batch_n=2, batch_i=4,
+                  log_every=1, mouth_weight=w)
+    assert _first_logged_loss(cache / "a2v_mouth0_state.pt") != pytest.approx(
+        _first_logged_loss(cache / "a2v_mouth6_state.pt"), rel=1e-3)
+    assert torch.load(cache / "a2v_mouth6_state.pt", weights_only=False)["state"]["extra"]["mouth_weight"] == 6.0
     s1 = train_sr(p, cache / "latents", cache / "sr_state.pt", minutes=0.05, batch=8, log_every=1)
     assert s1["eval_l1"] < s1["bilinear_l1"]  # SR beats its bilinear starting point after a few steps
     sd = train_sr(p, cache / "latents", cache / "sr_detail_state.pt", minutes=0.02, batch=8, log_every=1,
@@ -201,10 +223,12 @@ def test_a2v_and_sr_train_resume_and_assemble(cache: Path) -> None:
     old = cache / "old_latents"  # a cache written before the detail maps were kept
     old.mkdir()
     blob = torch.load(cache / "latents" / "shard_0000.pt")
-    del blob["detail"]
+    del blob["detail"], blob["mouth_box"]
     torch.save(blob, old / "shard_0000.pt")
     with pytest.raises(ValueError, match="no detail maps.*build it again"):
         train_sr(p, old, cache / "sr_old_state.pt", minutes=0.01, detail_weight=8.0)
+    with pytest.raises(ValueError, match="mouth_weight=6.0.*no mouth boxes.*--stage cache"):
+        train_a2v(p, old, cache / "a2v_old_state.pt", minutes=0.01, mouth_weight=6.0)
     # the VAE state the checkpoint reads (normally written by train_vae)
     mods = {"vae": CausalVAE(p.vae)}
     mods["vae"].load_state_dict(torch.load(cache / "vae_final.pt"))
@@ -224,6 +248,7 @@ def test_a2v_and_sr_train_resume_and_assemble(cache: Path) -> None:
     assert c["steps"] >= 1 and 0 < c["heldout_psnr_db"] < 60
     meta = assemble_checkpoint(p, cache, out, seed=0)
     assert meta["vae_chain_steps"] == str(c["steps"]) and meta["sr_detail_weight"] == "0"
+    assert meta["a2v_mouth_weight"] == "0"
     chained = torch.load(cache / "vae_chain_state.pt", weights_only=False)["modules"]["vae"]
     fresh = build_modules(p, seed=5)
     load_checkpoint(fresh, out)
