@@ -29,7 +29,10 @@ Definitions (per clip; all distances on 0-255, mean over RGB):
   when >= 50 % of its pixels vote present; the presence rate is the fraction of such frames.
 * **seam jump** — per frame, the head's displacement: the mean distance moved by the corners of the
   head's box between the fitted poses of frames t-1 and t (position, rotation and scale in pixels).
-  ``seam_jump_score`` = mean displacement at the chunk seams / median elsewhere (as ``seam_score``);
+  ``seam_jump_score`` = mean displacement at the chunk seams / median elsewhere (as ``seam_score``),
+  the median floored at the fit's finest step (``FIT_STEP_PX``: a head that stands still between
+  seams, or a fit that flips between two poses, has median 0, and motion under the step is not
+  resolved anyway);
   ``seam_outline_score`` likewise for the change of the aligned frame in a 3-px band around the
   head's outline (what the pose fit cannot absorb).
 
@@ -57,6 +60,7 @@ VOTE_LEVELS = 24.0  # accessory pixels that vote: |with - without| above this (m
 VISIBLE_FRACTION = 0.5  # an accessory is visibly there when this fraction of its pixels votes present
 BACKGROUND_MARGIN = 14  # px between the reference head and the background pixels scored
 DIST_FLOOR, DSSIM_FLOOR = 1.0, 0.01
+FIT_STEP_PX = 0.25  # the pose fit's finest pattern-search step at the head's edge (fit_pose)
 
 Pose = tuple[float, float, float, float]  # dx px, dy px, angle degrees, scale
 # bench.quality's RenderFn: (image, audio, seconds, use_i_chunks, out_dir) -> (frames, chunk seams)
@@ -91,9 +95,9 @@ def ssim_map(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return ((2 * mx * my + c1) * (2 * cxy + c2)) / ((mx * mx + my * my + c1) * (vx + vy + c2))
 
 
-def ratio_of_scores(values: np.ndarray, boundaries: Iterable[int]) -> float:
-    """Mean of ``values`` at the boundaries / median elsewhere (``values[0]`` unused); NaN without a
-    boundary inside."""
+def ratio_of_scores(values: np.ndarray, boundaries: Iterable[int], floor: float = 1e-3) -> float:
+    """Mean of ``values`` at the boundaries / median elsewhere, at least ``floor`` (``values[0]`` unused);
+    NaN without a boundary inside."""
     d = np.asarray(values, np.float64)
     b = sorted({int(x) for x in boundaries if 0 < int(x) < len(d)})
     if not b or len(d) < 3:
@@ -101,7 +105,7 @@ def ratio_of_scores(values: np.ndarray, boundaries: Iterable[int]) -> float:
     inside = np.ones(len(d), bool)
     inside[0] = False
     inside[b] = False
-    return float(d[b].mean() / max(float(np.median(d[inside])), 1e-3))
+    return float(d[b].mean() / max(float(np.median(d[inside])), floor))
 
 
 @dataclass
@@ -181,7 +185,7 @@ class FidelityMeter:
         best = start or self._pose
         best_c = cost(best)
         deg_per_px, scale_per_px = math.degrees(1.0 / self._radius), 1.0 / self._radius
-        for step in (2.0, 1.0, 0.5, 0.25):
+        for step in (2.0, 1.0, 0.5, FIT_STEP_PX):
             deltas = [(step, 0, 0, 0), (-step, 0, 0, 0), (0, step, 0, 0), (0, -step, 0, 0),
                       (0, 0, step * deg_per_px, 0), (0, 0, -step * deg_per_px, 0),
                       (0, 0, 0, step * scale_per_px), (0, 0, 0, -step * scale_per_px)]
@@ -266,7 +270,7 @@ class FidelityMeter:
         disp = self.displacements()
         b = [x for x in boundaries if 0 < x < len(disp)]
         out["seam_jump_px"] = round(float(disp[b].mean()), 4) if b else None
-        out["seam_jump_score"] = round(ratio_of_scores(disp, b), 4)
+        out["seam_jump_score"] = round(ratio_of_scores(disp, b, FIT_STEP_PX), 4)
         out["seam_outline_score"] = round(ratio_of_scores(np.asarray(self.outline_change), b), 4)
         return out
 

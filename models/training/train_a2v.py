@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import logging
 from pathlib import Path
 
@@ -37,13 +38,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.audio import AudioEncoder
-from models.checkpoint import build_modules
+from models.checkpoint import build_modules, load_checkpoint
 from models.dit import A2VDiT
 from models.presets import ModelPreset, get_preset
 from models.training.common import (
     DEFAULT_CACHE,
     Budget,
     LossLog,
+    checked_metadata,
     cosine_lr,
     load_state,
     save_state,
@@ -177,6 +179,31 @@ def flow_loss(dit: A2VDiT, audio: AudioEncoder, b: dict[str, torch.Tensor], gen:
     return (err * w).sum() / w.sum()
 
 
+HELDOUT_KINDS = ("N", "I", "R")  # the windows the tiny plan runs (A2VBatcher.draw_kind with reference_frame)
+
+
+@torch.no_grad()
+def heldout_loss(dit: A2VDiT, audio: AudioEncoder, batcher: A2VBatcher, shift: float, *, batches: int = 8,
+                 batch_n: int = 6, batch_i: int = 16, seed: int = 4321) -> dict[str, float]:
+    """The flow loss (change-weighted, no mouth weight, no prompt) on fixed windows of a held-out cache
+    (held-out identities and voices): ``batches`` batches per window kind, every draw from fixed
+    generators, so the same weights give the same figure and two runs' figures compare. Whether a
+    falling training loss is learning or memorising the training clips."""
+    was = dit.training, audio.training
+    dit.eval(), audio.eval()
+    out: dict[str, float] = {}
+    for kind in HELDOUT_KINDS:
+        vals = []
+        for i in range(batches):
+            gen = step_generator(seed, i, 2)
+            b = batcher.batch(gen, kind, batch_i if kind == "I" else batch_n)
+            vals.append(float(flow_loss(dit, audio, b, gen, shift, None)))
+        out[f"heldout_loss_{kind}"] = sum(vals) / len(vals)
+    out["heldout_loss"] = sum(out.values()) / len(HELDOUT_KINDS)
+    dit.train(was[0]), audio.train(was[1])
+    return out
+
+
 class EMA:
     def __init__(self, modules: dict[str, nn.Module]) -> None:
         self.shadow = {k: copy.deepcopy(m).eval().requires_grad_(False) for k, m in modules.items()}
@@ -192,12 +219,15 @@ def train_a2v(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes
               batch_n: int = 6, batch_i: int = 16, lr: float = 1e-3, text_prob: float = 0.25,
               ema_max: float = 0.998, log_every: int = 20, save_every_s: float = 120.0,
               threads: int | None = None, anchor_noise: float | None = 0.05,
-             init_from: Path | None = None, mouth_weight: float = 0.0) -> dict[str, float]:
+             init_from: Path | None = None, mouth_weight: float = 0.0,
+             heldout_dir: Path | None = None) -> dict[str, float]:
     """Train (or resume) for ``minutes`` of wall time in total; the state file holds model + EMA weights.
 
     ``init_from``: a fresh run starts from that checkpoint's A2V and audio encoder (its EMA weights)
     instead of the seeded init (:func:`~models.training.common.warm_start`). ``mouth_weight``: see the
-    module's docstring; it needs a cache with mouth boxes."""
+    module's docstring; it needs a cache with mouth boxes. ``heldout_dir``: a latent cache of held-out
+    identities (``train_all --stage heldout-cache``); the EMA weights' :func:`heldout_loss` is logged at
+    the start, at every save and at the end, and kept in the state (``heldout_loss_start`` / ``heldout_loss``)."""
     if threads:
         torch.set_num_threads(threads)
     base = build_modules(preset, seed)
@@ -228,6 +258,16 @@ def train_a2v(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes
     budget = Budget(minutes, st.elapsed_s)
     losses = LossLog(state_path.with_suffix(".jsonl"), "a2v")
     last_save = budget.elapsed_s
+    held = A2VBatcher(LatentClips(heldout_dir), preset, anchor_noise=anchor_noise) if heldout_dir else None
+
+    def score_heldout() -> None:
+        if held is not None:
+            h = heldout_loss(ema.shadow["a2v"], ema.shadow["audio"], held, preset.shift)  # type: ignore[arg-type]
+            st.extra.setdefault("heldout_loss_start", h["heldout_loss"])
+            st.extra.update(h)
+            log.info("a2v step %d held-out (EMA): %s", st.step, " ".join(f"{k}={v:.5f}" for k, v in h.items()))
+
+    score_heldout()
     while not budget.done():
         gen = step_generator(seed, st.step, 1)
         kind = batcher.draw_kind(gen)
@@ -248,13 +288,28 @@ def train_a2v(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes
         if st.step % log_every == 0:
             st.losses.append(losses.flush(st.step, budget.elapsed_s)["loss"])
         if budget.elapsed_s - last_save > save_every_s:
+            score_heldout()
             st.elapsed_s = budget.elapsed_s
             save_state(state_path, {**train_mods, "ema_a2v": ema.shadow["a2v"], "ema_audio": ema.shadow["audio"]},
                        opt, st)
             last_save = budget.elapsed_s
+    score_heldout()
     st.elapsed_s = budget.elapsed_s
     save_state(state_path, {**train_mods, "ema_a2v": ema.shadow["a2v"], "ema_audio": ema.shadow["audio"]}, opt, st)
-    return {"steps": st.step, "elapsed_s": st.elapsed_s, "final_loss": st.losses[-1] if st.losses else float("nan")}
+    return {"steps": st.step, "elapsed_s": st.elapsed_s, "final_loss": st.losses[-1] if st.losses else float("nan"),
+            **{k: v for k, v in st.extra.items() if k.startswith("heldout_loss")}}
+
+
+def score_checkpoints(preset: ModelPreset, heldout_dir: Path, checkpoints: list[Path]) -> dict[str, dict[str, float]]:
+    """:func:`heldout_loss` of each checkpoint's A2V and audio encoder on one held-out cache."""
+    batcher = A2VBatcher(LatentClips(heldout_dir), preset)
+    out = {}
+    for path in checkpoints:
+        checked_metadata(path, preset.name)
+        mods = build_modules(preset, 0)
+        load_checkpoint(mods, path)
+        out[str(path)] = heldout_loss(mods["a2v"], mods["audio"], batcher, preset.shift)  # type: ignore[arg-type]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -269,14 +324,25 @@ def main(argv: list[str] | None = None) -> int:
                    help="max noise on I anchors (no colour offset), or 'context' to corrupt them like N context")
     p.add_argument("--from", dest="from_checkpoint", type=Path, default=None,
                    help="start from this checkpoint's A2V and audio encoder (a fresh state file only)")
+    p.add_argument("--heldout-cache", type=Path, default=None,
+                   help="a held-out latent cache (train_all --stage heldout-cache): log the EMA's flow loss on it")
+    p.add_argument("--score", type=Path, nargs="+", default=None, metavar="CKPT",
+                   help="print the held-out flow loss of these checkpoints (needs --heldout-cache) and exit")
     p.add_argument("--mouth-weight", type=float, default=0.0,
                    help="extra loss weight on the cells of each frame's mouth box (1 + w * coverage)")
     a = p.parse_args(argv)
+    if a.score:
+        if a.heldout_cache is None:
+            p.error("--score needs --heldout-cache DIR (train_all --stage heldout-cache writes one)")
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        print(json.dumps(score_checkpoints(get_preset(a.preset), a.heldout_cache, a.score), indent=1))
+        return 0
     setup_logging(a.cache_dir / "train.log")
     out = train_a2v(get_preset(a.preset), a.cache_dir / "latents", a.cache_dir / "a2v_state.pt",
                     minutes=a.minutes, seed=a.seed, lr=a.lr, threads=a.threads,
                     anchor_noise=None if a.anchor_noise == "context" else float(a.anchor_noise),
-                    init_from=a.from_checkpoint, mouth_weight=a.mouth_weight)
+                    init_from=a.from_checkpoint, mouth_weight=a.mouth_weight, heldout_dir=a.heldout_cache)
     log.info("a2v done: %s", out)
     return 0
 

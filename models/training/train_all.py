@@ -165,6 +165,8 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
             trained.update({"a2v_steps": str(st.step), "a2v_minutes": f"{st.elapsed_s / 60:.1f}",
                             "a2v_final_loss": f"{st.losses[-1]:.4f}" if st.losses else "nan",
                             "a2v_mouth_weight": f"{st.extra.get('mouth_weight', 0.0):g}"})
+            if "heldout_loss" in st.extra:
+                trained["a2v_heldout_loss"] = f"{st.extra['heldout_loss']:.4f}"
             if st.init_from:
                 trained["a2v_init_from"] = st.init_from
         else:
@@ -202,8 +204,11 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--stage", choices=["all", "reuse-vae", "cache", "decoder", "chain", "assemble"], default="all",
-                   help="run one stage only (cache: --worker/--num-workers build shards in parallel; "
+    p.add_argument("--stage", choices=["all", "reuse-vae", "cache", "heldout-cache", "decoder", "chain", "assemble"],
+                   default="all",
+                   help="run one stage only (cache: --worker/--num-workers build shards in parallel; heldout-cache: "
+                        "the same of held-out identities and voices in CACHE_DIR/heldout_latents, for "
+                        "train_a2v --heldout-cache; "
                         "reuse-vae: the VAE of --from instead of training one)")
     p.add_argument("--from", dest="from_checkpoint", type=Path, default=None,
                    help="reuse-vae: the checkpoint whose VAE to reuse; chain: its SR when this run trained "
@@ -233,9 +238,11 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--stage reuse-vae needs --from CHECKPOINT (an earlier checkpoint of the same preset)")
         reuse_vae(preset, a.cache_dir, a.from_checkpoint)
         return 0
-    if a.stage == "cache":
-        build_latent_cache(final_vae(preset, a.cache_dir), a.cache_dir / "latents", a.clips, a.clip_frames,
-                           seed=a.seed, size=preset.height, worker=a.worker, num_workers=a.num_workers)
+    if a.stage in ("cache", "heldout-cache"):
+        held = a.stage == "heldout-cache"
+        build_latent_cache(final_vae(preset, a.cache_dir), a.cache_dir / ("heldout_latents" if held else "latents"),
+                           a.clips, a.clip_frames, split="heldout" if held else "train", seed=a.seed,
+                           size=preset.height, worker=a.worker, num_workers=a.num_workers)
         return 0
     if a.stage == "decoder":
         train_decoder(preset, final_vae(preset, a.cache_dir), a.cache_dir / "vae_decoder_state.pt",

@@ -102,6 +102,18 @@ def test_shifted_head_at_a_seam_raises_the_jump(glasses: tuple) -> None:
     assert s["seam_outline_score"] >= truth["seam_outline_score"]
 
 
+def test_still_head_jump_is_measured_against_the_fit_step(glasses: tuple) -> None:
+    # a head that stands still inside chunks (median displacement 0) and moves 1 px at the seams 16 and 20:
+    # the score is the jump over the fit's finest step (~4), not over a ~0 median (1000 with a 0.001 px floor)
+    r, _, truths, _, _ = glasses
+    frames = [r.face.render(HeadPose(1.0 if 16 <= t < 20 else 0.0), tr.mouth_open, tr.mouth_width, 0.0)
+              for t, tr in enumerate(truths[:24])]
+    meter, s = _score(r, frames, truths[:24])
+    disp = meter.displacements()
+    assert np.median(np.delete(disp, [0, *SEAMS[:2]])) < 0.05 and 0.8 < min(disp[16], disp[20]) < 1.2
+    assert 3.0 < s["seam_jump_score"] < 5.0
+
+
 def test_ssim_map() -> None:
     rng = np.random.default_rng(0)
     a = rng.integers(0, 256, (32, 32, 3)).astype(np.float32)

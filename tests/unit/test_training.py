@@ -399,3 +399,39 @@ def test_the_scored_pipeline_follows_the_chunk_plan(tmp_path: Path) -> None:
     # I_0 replaces N_1[0:e], I_1 replaces N_2[0:e]; everything else comes from the same N chunks
     assert same == [not (L <= t < L + e or 2 * L <= t < 2 * L + e) for t in range(n)]
     assert all(np.array_equal(a, b) for a, b in zip(with_i, frames(True), strict=True))  # seeded noise
+
+
+def test_heldout_loss_is_logged_recorded_and_is_the_shipped_weights(cache: Path, tmp_path: Path) -> None:
+    """train_a2v --heldout-cache scores the EMA on fixed held-out windows at the start and the end; the
+    figure is a pure function of the weights (scoring a checkpoint of the final EMA gives it back exactly),
+    and train_all --stage heldout-cache writes held-out identities only."""
+    import math
+
+    from models.checkpoint import save_checkpoint
+    from models.training.train_a2v import main as a2v_main
+    from models.training.train_a2v import score_checkpoints
+    from models.training.train_all import main as all_main
+
+    p = small_preset()
+    held = cache / "latents"  # any latent cache scores; in practice one of held-out identities (below)
+    out = train_a2v(p, held, tmp_path / "a2v_state.pt", minutes=0.03, batch_n=2, batch_i=4, heldout_dir=held)
+    assert math.isfinite(out["heldout_loss_start"]) and out["heldout_loss"] != out["heldout_loss_start"]
+    assert set(out) >= {f"heldout_loss_{k}" for k in ("N", "I", "R")}
+    blob = torch.load(tmp_path / "a2v_state.pt", weights_only=False)
+    assert blob["state"]["extra"]["heldout_loss"] == out["heldout_loss"]
+    mods = build_modules(p, seed=9)
+    mods["a2v"].load_state_dict(blob["modules"]["ema_a2v"])
+    mods["audio"].load_state_dict(blob["modules"]["ema_audio"])
+    ckpt = tmp_path / "ema.safetensors"
+    save_checkpoint(mods, ckpt, metadata={"preset": "tiny"})
+    assert score_checkpoints(p, held, [ckpt])[str(ckpt)]["heldout_loss"] == pytest.approx(out["heldout_loss"], rel=1e-6)
+    with pytest.raises(SystemExit):  # --score without a held-out cache: argparse names the fix
+        a2v_main(["--score", str(ckpt)])
+    # the held-out cache stage (the real preset, two 3-frame clips): identities of the held-out split
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save(build_modules(get_preset("tiny"), seed=0)["vae"].state_dict(), run / "vae_final.pt")
+    assert all_main(["--stage", "heldout-cache", "--clips", "2", "--clip-frames", "3", "--threads", "1",
+                     "--cache-dir", str(run)]) == 0
+    clips = LatentClips(run / "heldout_latents")
+    assert clips.num_clips == 2 and bool((clips.identity >= 1_000_000).all()) and not (run / "latents").exists()
