@@ -104,12 +104,15 @@ def load_checkpoint(
     *,
     key_map: Callable[[str], str] | None = None,
     strict: bool = True,
+    preset: str | None = None,
 ) -> dict[str, str]:
     """Load the modules' weights from ``path``; returns the file's metadata.
 
     ``key_map`` renames file keys (after renaming they must read ``"<module>.<state_dict key>"``) —
     use it for checkpoints from other codebases. Keys of modules not in ``modules`` are skipped.
     ``strict=False`` tolerates missing and unexpected keys (never shape mismatches).
+    ``preset``: the file's metadata must name this preset (checked before any tensor is read, so a
+    checkpoint of another preset is named as such instead of failing as a shape mismatch).
     """
     path = Path(path)
     if not path.is_file():
@@ -124,12 +127,19 @@ def load_checkpoint(
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             metadata = dict(f.metadata() or {})
+            if preset is not None and metadata.get("preset") != preset:
+                raise CheckpointError(
+                    f"checkpoint {str(path)!r} is of preset {metadata.get('preset')!r}, not {preset!r}: pass a "
+                    f"checkpoint saved with preset {preset!r} (e.g. models/checkpoints/{preset}.safetensors)"
+                )
             # read only the tensors of the modules asked for (a rank loading one module of a 14b file
             # must not materialise the others); other keys are only named
             file_tensors: dict[str, Tensor | None] = {}
             for raw in f.keys():
                 key = key_map(raw) if key_map else raw
                 file_tensors[key] = f.get_tensor(raw) if key.partition(".")[0] in modules else None
+    except CheckpointError:
+        raise
     except Exception as exc:  # safetensors raises several types for a corrupt file
         raise CheckpointError(
             f"checkpoint file {str(path)!r} is not a readable safetensors file ({exc}): "

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from models.checkpoint import load_checkpoint
@@ -97,19 +96,6 @@ def load_state(path: Path, modules: dict[str, nn.Module], opt: torch.optim.Optim
     return st
 
 
-def checked_metadata(checkpoint: Path, preset: str) -> dict[str, str]:
-    """The metadata of ``checkpoint`` (a ``--from`` argument), checked to be a checkpoint of ``preset``
-    before any weights are read: a clear error instead of a shape mismatch inside a load."""
-    if not checkpoint.is_file():
-        raise FileNotFoundError(f"--from {checkpoint}: no such file (pass a .safetensors checkpoint of preset "
-                                f"{preset!r}, e.g. models/checkpoints/{preset}.safetensors)")
-    with safe_open(str(checkpoint), "pt") as f:
-        meta = dict(f.metadata() or {})
-    if meta.get("preset") != preset:
-        raise ValueError(f"--from {checkpoint}: a checkpoint of preset {meta.get('preset')!r}, not {preset!r}")
-    return meta
-
-
 def warm_start(modules: dict[str, nn.Module], checkpoint: Path, preset: str, state: TrainState) -> bool:
     """Start a fresh run from a shipped checkpoint's weights instead of the seeded init.
 
@@ -124,8 +110,7 @@ def warm_start(modules: dict[str, nn.Module], checkpoint: Path, preset: str, sta
                              f"{state.init_from or 'the seeded init'}; drop --from to resume it, or delete the "
                              "state file to start over from the checkpoint")
         return False
-    checked_metadata(checkpoint, preset)
-    meta = load_checkpoint(modules, checkpoint)
+    meta = load_checkpoint(modules, checkpoint, preset=preset)
     steps = ", ".join(f"{m}_steps {meta[f'{m}_steps']}" for m in modules if f"{m}_steps" in meta)
     state.init_from = f"{checkpoint.name} (git {meta.get('git_commit', '?')}{', ' + steps if steps else ''})"
     log.info("warm start from %s: %s", checkpoint, state.init_from)

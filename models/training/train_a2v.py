@@ -45,7 +45,6 @@ from models.training.common import (
     DEFAULT_CACHE,
     Budget,
     LossLog,
-    checked_metadata,
     cosine_lr,
     load_state,
     save_state,
@@ -106,19 +105,22 @@ class A2VBatcher:
             raise ValueError(f"cached clips have {clips.clip_frames} frames; the N window needs "
                              f"{self.kinds['N'][0]}: rebuild the cache with longer clips")
         self.ref_lr = lowres(clips.ref[:, None], preset.lowres_factor)[:, 0]  # (N, C, h, w)
-        self.cell_px = preset.height / self.lr.shape[-2]  # pixels per low-res latent cell
+        # each frame's mouth box as a share of every low-res cell (N, T, h, w), for --mouth-weight
+        h, w = self.lr.shape[-2:]
+        self.mouth_cover = (None if clips.mouth_box is None
+                            else box_cover(clips.mouth_box, h, w, preset.height / h))
+        # the window kinds the pipeline runs for this preset, and how often a step draws each
+        self.probs = ((("N", 0.5), ("I", 0.3), ("R", 0.2)) if self.ref_slot
+                      else (("N", 0.5), ("I", 0.3), ("R", 0.15), ("N0", 0.05)))
 
-    def draw_kind(self, gen: torch.Generator, probs: tuple[tuple[str, float], ...] | None = None) -> str:
-        """The window kind of a step; by default only the kinds the pipeline runs for this preset."""
-        if probs is None:
-            probs = ((("N", 0.5), ("I", 0.3), ("R", 0.2)) if self.ref_slot
-                     else (("N", 0.5), ("I", 0.3), ("R", 0.15), ("N0", 0.05)))
+    def draw_kind(self, gen: torch.Generator) -> str:
+        """The window kind of a step (:attr:`probs`)."""
         u = float(torch.rand(1, generator=gen))
-        for kind, pr in probs:
+        for kind, pr in self.probs:
             if u < pr:
                 return kind
             u -= pr
-        return probs[-1][0]
+        return self.probs[-1][0]
 
     def batch(self, gen: torch.Generator, kind: str, size: int) -> dict[str, torch.Tensor]:
         T, known_pos = self.kinds[kind]
@@ -127,10 +129,9 @@ class A2VBatcher:
         # the audio before the clip's first frame (any audio: the frame is known)
         idx = torch.randint(n_clips, (size,), generator=gen)
         start = torch.randint(t_clip - T + 1, (size,), generator=gen)
-        x0 = torch.stack([self.lr[i, s : s + T] for i, s in zip(idx.tolist(), start.tolist(), strict=True)])
-        x0 = x0.transpose(1, 2).contiguous()  # (B, C, T, h, w)
-        waves = torch.stack([self.clips.audio[i, s * self.spf : (s + T + 2 * self.pad) * self.spf]
-                             for i, s in zip(idx.tolist(), start.tolist(), strict=True)])
+        windows = list(zip(idx.tolist(), start.tolist(), strict=True))
+        x0 = torch.stack([self.lr[i, s : s + T] for i, s in windows]).transpose(1, 2).contiguous()  # (B, C, T, h, w)
+        waves = torch.stack([self.clips.audio[i, s * self.spf : (s + T + 2 * self.pad) * self.spf] for i, s in windows])
         known = torch.zeros(size, T, dtype=torch.bool)
         known[:, known_pos] = True
         offset = torch.randint(0, 20_000, (size, 1), generator=gen)
@@ -152,10 +153,8 @@ class A2VBatcher:
             ctx[:, :, 0] = self.ref_lr[idx]
         out = {"x0": x0, "ctx": ctx, "wave": waves, "known": known, "frame_index": frame_index,
                "ref": self.clips.ref[idx], "ref_lr": self.ref_lr[idx], "mouth": self.clips.mouth[idx]}
-        if self.clips.mouth_box is not None:  # (B, T, h, w); the reference slot's frame is known: never weighted
-            boxes = torch.stack([self.clips.mouth_box[i, s : s + T]
-                                 for i, s in zip(idx.tolist(), start.tolist(), strict=True)])
-            out["mouth_cover"] = box_cover(boxes, x0.shape[-2], x0.shape[-1], self.cell_px)
+        if self.mouth_cover is not None:  # (B, T, h, w); the reference slot's frame is known: never weighted
+            out["mouth_cover"] = torch.stack([self.mouth_cover[i, s : s + T] for i, s in windows])
         return out
 
 
@@ -179,28 +178,23 @@ def flow_loss(dit: A2VDiT, audio: AudioEncoder, b: dict[str, torch.Tensor], gen:
     return (err * w).sum() / w.sum()
 
 
-HELDOUT_KINDS = ("N", "I", "R")  # the windows the tiny plan runs (A2VBatcher.draw_kind with reference_frame)
-
-
 @torch.no_grad()
 def heldout_loss(dit: A2VDiT, audio: AudioEncoder, batcher: A2VBatcher, shift: float, *, batches: int = 8,
                  batch_n: int = 6, batch_i: int = 16, seed: int = 4321) -> dict[str, float]:
     """The flow loss (change-weighted, no mouth weight, no prompt) on fixed windows of a held-out cache
-    (held-out identities and voices): ``batches`` batches per window kind, every draw from fixed
-    generators, so the same weights give the same figure and two runs' figures compare. Whether a
-    falling training loss is learning or memorising the training clips."""
-    was = dit.training, audio.training
-    dit.eval(), audio.eval()
+    (held-out identities and voices): ``batches`` batches of each window kind the plan runs
+    (``batcher.probs``), every draw from fixed generators, so the same weights give the same figure
+    and two runs' figures compare. Whether a falling training loss is learning or memorising the
+    training clips."""
     out: dict[str, float] = {}
-    for kind in HELDOUT_KINDS:
+    for kind, _ in batcher.probs:
         vals = []
         for i in range(batches):
             gen = step_generator(seed, i, 2)
             b = batcher.batch(gen, kind, batch_i if kind == "I" else batch_n)
             vals.append(float(flow_loss(dit, audio, b, gen, shift, None)))
         out[f"heldout_loss_{kind}"] = sum(vals) / len(vals)
-    out["heldout_loss"] = sum(out.values()) / len(HELDOUT_KINDS)
-    dit.train(was[0]), audio.train(was[1])
+    out["heldout_loss"] = sum(out.values()) / len(out)
     return out
 
 
@@ -305,9 +299,8 @@ def score_checkpoints(preset: ModelPreset, heldout_dir: Path, checkpoints: list[
     batcher = A2VBatcher(LatentClips(heldout_dir), preset)
     out = {}
     for path in checkpoints:
-        checked_metadata(path, preset.name)
         mods = build_modules(preset, 0)
-        load_checkpoint(mods, path)
+        load_checkpoint(mods, path, preset=preset.name)
         out[str(path)] = heldout_loss(mods["a2v"], mods["audio"], batcher, preset.shift)  # type: ignore[arg-type]
     return out
 

@@ -36,7 +36,6 @@ from models.training.common import (
     DEFAULT_CACHE,
     REPO_ROOT,
     TrainState,
-    checked_metadata,
     git_commit,
     setup_logging,
 )
@@ -84,8 +83,7 @@ def chain_decoder(preset: ModelPreset, cache_dir: Path, minutes: float, seed: in
     if sr_state.is_file():
         sr.load_state_dict(torch.load(sr_state, map_location="cpu", weights_only=False)["modules"]["ema_sr"])
     elif base is not None:
-        checked_metadata(base, preset.name)
-        load_checkpoint({"sr": sr}, base)
+        load_checkpoint({"sr": sr}, base, preset=preset.name)
     else:
         raise FileNotFoundError(f"{sr_state} does not exist: train the SR first (train_sr), or pass --from "
                                 "CHECKPOINT to fine-tune the decoder on that checkpoint's SR")
@@ -96,9 +94,9 @@ def chain_decoder(preset: ModelPreset, cache_dir: Path, minutes: float, seed: in
 def reuse_vae(preset: ModelPreset, cache_dir: Path, checkpoint: Path) -> None:
     """Stage 1 from an earlier checkpoint: its VAE weights -> ``vae_final.pt``, its VAE metadata ->
     ``vae_reused.json`` (read by :func:`assemble_checkpoint`)."""
-    meta = checked_metadata(checkpoint, preset.name)
     vae = CausalVAE(preset.vae)
-    load_checkpoint({"vae": vae}, checkpoint)  # strict: a VAE of another shape is an error here, not at assembly
+    # strict: a VAE of another shape is an error here, not at assembly
+    meta = load_checkpoint({"vae": vae}, checkpoint, preset=preset.name)
     cache_dir.mkdir(parents=True, exist_ok=True)
     torch.save(vae.state_dict(), cache_dir / "vae_final.pt")
     # every VAE figure, the decoder stages' too: these are the decoder weights reused; a decoder stage
@@ -125,10 +123,7 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
     ``a2v_state.pt``: A2V and audio; no ``sr_state.pt``: SR) keeps ``base``'s weights, and ``base``'s
     metadata for them is carried; without it every stage must have run."""
     mods = build_modules(preset, seed)
-    base_meta: dict[str, str] = {}
-    if base is not None:
-        checked_metadata(base, preset.name)
-        base_meta = load_checkpoint(mods, base)
+    base_meta = load_checkpoint(mods, base, preset=preset.name) if base is not None else {}
     # the decoder stages, in order (same encoder weights): fine-tuned after the encoder froze, then on
     # SR outputs; the last one that ran holds the shipped VAE. Each state file is read once.
     vae_sd = None

@@ -306,6 +306,14 @@ def test_checkpoint_errors(tmp_path: Path, preset: ModelPreset, mods: dict[str, 
         load_checkpoint(target, bad_shape, strict=False)
     assert torch.equal(target["a2v"].head.weight, before)  # nothing loaded half-way
 
+    # preset=: the file must say it was saved for that preset, checked before any tensor is read
+    tiny = tmp_path / "tiny.safetensors"
+    save_checkpoint(mods, tiny, metadata={"preset": "tiny"})
+    assert load_checkpoint(build_modules(preset), tiny, preset="tiny")["preset"] == "tiny"
+    for wrong, found in ((tiny, "'tiny'"), (path, "None")):  # another preset; no preset in the metadata
+        with pytest.raises(CheckpointError, match=f"is of preset {found}, not '14b'.*14b.safetensors"):
+            load_checkpoint(build_modules(preset), wrong, preset="14b")
+
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"not a safetensors file")
     with pytest.raises(CheckpointError, match="junk.safetensors"):

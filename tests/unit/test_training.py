@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.checkpoint import build_modules, load_checkpoint
+from models.checkpoint import CheckpointError, build_modules, load_checkpoint
 from models.presets import ModelPreset, get_preset
 from models.training.common import load_state, step_generator
 from models.training.data import DETAIL_REGIONS, FrameSampler, LatentClips, build_latent_cache
@@ -271,7 +271,7 @@ def test_reuse_vae_takes_weights_and_metadata_of_an_earlier_checkpoint(tmp_path:
     assert carried["vae_steps"] == "7" and carried["vae_chain_steps"] == "2"  # the decoder reused is that one
     assert carried["vae_reused_from"] == "old.safetensors (git abc)"
     save_checkpoint(mods, tmp_path / "other.safetensors", metadata={"preset": "14b"})
-    with pytest.raises(ValueError, match="preset '14b'"):
+    with pytest.raises(CheckpointError, match="preset '14b', not 'tiny'"):
         reuse_vae(p, tmp_path / "cache2", tmp_path / "other.safetensors")
 
 
@@ -356,9 +356,9 @@ def test_a2v_and_sr_warm_start_from_a_shipped_checkpoint(cache: Path, tmp_path: 
     with pytest.raises(ValueError, match="began from base.safetensors.*drop --from"):
         train_a2v(p, run / "latents", run / "a2v_state.pt", minutes=0.06, init_from=tmp_path / "other.safetensors")
     save_checkpoint(base_mods, tmp_path / "wan.safetensors", metadata={"preset": "14b"})
-    with pytest.raises(ValueError, match="preset '14b'"):
+    with pytest.raises(CheckpointError, match="preset '14b', not 'tiny'"):
         train_sr(p, run / "latents", run / "sr_x_state.pt", minutes=0.01, init_from=tmp_path / "wan.safetensors")
-    with pytest.raises(FileNotFoundError, match="--from .*no such file"):
+    with pytest.raises(CheckpointError, match="missing.safetensors.*does not exist"):
         train_sr(p, run / "latents", run / "sr_x_state.pt", minutes=0.01, init_from=tmp_path / "missing.safetensors")
     s = train_sr(p, run / "latents", run / "sr_state.pt", minutes=0.02, batch=8, log_every=1, init_from=base)
     assert s["init_l1"] != pytest.approx(s["bilinear_l1"])  # the base's SR, not bilinear upsampling
