@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypeAlias
 
 from pipeline.errors import InvalidInputError
 from pipeline.schedule import FrameGrid
@@ -120,7 +120,8 @@ class ModelFamily(ABC):
     def options(self, preset: FamilyPreset, options: Mapping[str, str | int | float]) -> dict[str, str | int | float]:
         """The request's family options (``RenderRequest.options``) checked and completed with the
         preset's defaults; the stages read the result from ``pipeline.ports.OPTIONS``. Default: the
-        family takes none. Raise ``InvalidInputError(field="options")`` naming the key, value and bounds."""
+        family takes none. Raise ``InvalidInputError(field="options.<key>")`` naming the key, value and
+        bounds: :func:`check_option` checks a numeric one."""
         if options:
             raise InvalidInputError(
                 f"options={dict(options)!r}: family {self.name!r} takes no options; remove them", field="options")
@@ -139,6 +140,29 @@ class ModelFamily(ABC):
         """The stages over ``modules`` (what :meth:`modules` returned, or a rank's loaded ones), in
         order. Step stages must produce ``pipeline.ports.STEP_LATENTS``, the last emission stage
         ``pipeline.ports.FRAMES``; ``timings`` is the render's accounting (``Timings.model``)."""
+
+
+OptionBounds: TypeAlias = Mapping[str, tuple[type, float, float]]
+"""A family's numeric options (:meth:`ModelFamily.options`): key -> (``int`` or ``float``, lowest,
+highest), both ends allowed."""
+
+
+def check_option(family: str, preset: FamilyPreset, key: str, value: object,
+                 defaults: Mapping[str, str | int | float], bounds: OptionBounds) -> int | float:
+    """One numeric request option for :meth:`ModelFamily.options`, checked against ``bounds[key]``:
+    an int or float (not a bool; an int option also takes an integral float, 5.0) within [lo, hi],
+    returned as the option's type. ``defaults``: the preset's value of every key the family takes
+    (the messages quote them). Raises ``InvalidInputError(field="options.<key>")`` naming the key, the
+    value, the bounds and the preset's default — or, for a key not in ``bounds``, the keys ``family``
+    takes. Every family with numeric options checks them here (wan, tiny)."""
+    if key not in bounds:
+        raise InvalidInputError(f"options.{key}: the {family} family takes {sorted(defaults)}", field=f"options.{key}")
+    kind, lo, hi = bounds[key]
+    if (not isinstance(value, (int, float)) or isinstance(value, bool)
+            or not (kind is float or isinstance(value, int) or value.is_integer()) or not lo <= value <= hi):
+        raise InvalidInputError(f"options.{key}={value!r}: must be {kind.__name__} in [{lo:g}, {hi:g}] "
+                                f"(preset {preset.name!r} default {defaults[key]!r})", field=f"options.{key}")
+    return int(value) if kind is int else float(value)
 
 
 class FamilyRegistry:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.errors import InvalidInputError
-from pipeline.model_family import FamilyPreset, ModelFamily, ParallelPlan
+from pipeline.model_family import FamilyPreset, ModelFamily, OptionBounds, ParallelPlan, check_option
 
 if TYPE_CHECKING:
     from models.presets import ModelPreset
@@ -22,6 +22,14 @@ if TYPE_CHECKING:
     from pipeline.stage_common import Timings
 
 CHECKPOINT_DIR = Path(__file__).resolve().parents[3] / "models" / "checkpoints"
+
+OPTION_BOUNDS: OptionBounds = {
+    "audio_guidance": (float, 1.0, 10.0),  # 1: no guidance (one DiT forward per sampler step, no silence)
+    "steps": (int, 1, 50),  # the A2V's sampler steps
+}
+"""The request options of :meth:`TinyFamily.options` (``RenderRequest.options``), each defaulting to
+the preset's value (``ModelPreset.audio_guidance`` / ``num_steps``); models/checkpoints/MODEL_CARD.md
+measured the tiny preset at guidance 2 / 2.5 / 3 and 3 / 5 / 10 steps."""
 
 
 class TinyFamily(ModelFamily):
@@ -50,6 +58,15 @@ class TinyFamily(ModelFamily):
     def audio_lookahead_frames(self, preset: FamilyPreset) -> int:
         # the context stage reads ``AudioConfig.context_frames`` video frames past each window
         return _model_preset(preset).audio.context_frames
+
+    def options(self, preset: FamilyPreset, options: Mapping[str, str | int | float]) -> dict[str, str | int | float]:
+        """``audio_guidance`` and ``steps`` within :data:`OPTION_BOUNDS`; the preset's values otherwise.
+        The context stage computes silence features only when the request's guidance is not 1."""
+        p = _model_preset(preset)
+        out: dict[str, str | int | float] = {"audio_guidance": p.audio_guidance, "steps": p.num_steps}
+        for key, value in options.items():
+            out[key] = check_option(self.name, p, key, value, out, OPTION_BOUNDS)
+        return out
 
     def modules(self, preset: FamilyPreset, checkpoint: Path | None, *, device: str = "cpu",
                 seed: int = 0) -> dict[str, Module]:

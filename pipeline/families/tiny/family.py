@@ -17,7 +17,6 @@ from pathlib import Path
 
 from models.checkpoint import build_module, module_factories
 from models.presets import ModelPreset
-from models.sampler import FlowMatchEulerSampler
 from pipeline.families.tiny.stages.a2v import A2VStage
 from pipeline.families.tiny.stages.context import ContextStage
 from pipeline.families.tiny.stages.decode import DecodeStage
@@ -40,14 +39,14 @@ def family_modules(p: ModelPreset, checkpoint: Path | None, *, device: str = "cp
 
 
 def family_stages(p: ModelPreset, modules: Mapping[str, Module], timings: Timings) -> list[Stage]:
-    """Context → A2V (per step), SR → decode (per emission), over ``modules``."""
-    sampler = FlowMatchEulerSampler(p.num_steps, p.shift)
+    """Context → A2V (per step), SR → decode (per emission), over ``modules``. The request's options
+    (``TinyFamily.options``: audio guidance, sampler steps) reach the context and A2V stages through
+    ``pipeline.ports.OPTIONS`` at run time, so one warm pipeline serves every request of the preset."""
     return [
         ContextStage(modules["vae"], modules["audio"], modules.get("text"), fps=p.fps,
                      sample_rate=p.sample_rate, latent_channels=p.latent_channels,
-                     lr_latent_hw=p.lr_latent_hw, timings=timings,
-                     silence_features=p.audio_guidance != 1.0),
-        A2VStage(modules["a2v"], sampler, timings=timings, audio_guidance=p.audio_guidance),
+                     lr_latent_hw=p.lr_latent_hw, timings=timings),
+        A2VStage(modules["a2v"], timings=timings, shift=p.shift),
         SRStage(modules["sr"], timings=timings),
         DecodeStage(modules["vae"], timings=timings),
     ]

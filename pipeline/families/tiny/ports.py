@@ -12,6 +12,7 @@ from pipeline.ports import AUDIO as AUDIO
 from pipeline.ports import EMISSION as EMISSION
 from pipeline.ports import EMISSION_LATENTS as EMISSION_LATENTS
 from pipeline.ports import FRAMES as FRAMES
+from pipeline.ports import OPTIONS as OPTIONS
 from pipeline.ports import PLAN as PLAN
 from pipeline.ports import REFERENCE_RGB as REFERENCE_RGB
 from pipeline.ports import ROLLING as ROLLING

@@ -24,7 +24,7 @@ from pipeline.families.wan.presets import (
     WAN_NEGATIVE_PROMPT,
     WanPreset,
 )
-from pipeline.model_family import FamilyPreset, ModelFamily, ParallelPlan
+from pipeline.model_family import FamilyPreset, ModelFamily, ParallelPlan, check_option
 from pipeline.schedule import FrameGrid
 
 if TYPE_CHECKING:
@@ -72,15 +72,7 @@ class WanFamily(ModelFamily):
             "audio_guidance": p.audio_guidance, "conditioning": "latent", "negative_prompt": WAN_NEGATIVE_PROMPT,
         }  # fmt: skip
         for key, value in options.items():
-            if key in OPTION_BOUNDS:
-                kind, lo, hi = OPTION_BOUNDS[key]
-                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
-                    kind is float or float(value).is_integer())
-                if not ok or not lo <= float(value) <= hi:
-                    raise InvalidInputError(f"options.{key}={value!r}: must be {kind.__name__} in [{lo:g}, {hi:g}] "
-                                            f"(preset {p.name!r} default {out[key]!r})", field=f"options.{key}")
-                out[key] = kind(value)
-            elif key == "conditioning":
+            if key == "conditioning":
                 if value not in CONDITIONING_MODES:
                     raise InvalidInputError(f"options.conditioning={value!r}: use one of {list(CONDITIONING_MODES)}",
                                             field="options.conditioning")
@@ -90,8 +82,8 @@ class WanFamily(ModelFamily):
                     raise InvalidInputError(f"options.negative_prompt: a string of at most {MAX_NEGATIVE_PROMPT_CHARS} "
                                             "characters", field="options.negative_prompt")
                 out[key] = value
-            else:
-                raise InvalidInputError(f"options.{key}: the wan family takes {sorted(out)}", field=f"options.{key}")
+            else:  # a numeric option of OPTION_BOUNDS, or refused naming the keys wan takes
+                out[key] = check_option(self.name, p, key, value, out, OPTION_BOUNDS)
         return out
 
     def modules(self, preset: FamilyPreset, checkpoint: Path | None, *, device: str = "cpu",

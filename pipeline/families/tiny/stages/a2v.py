@@ -5,10 +5,13 @@ generate. For ``N_k`` the known frames are the last C frames of ``N_{k-1}`` (kep
 decoded and re-encoded); for ``I_k`` they are the two anchors, ``N_k``'s last frame and
 ``N_{k+1}``'s frame ``e``. Predictions at known positions are discarded.
 
-Audio guidance (``ModelPreset.audio_guidance`` g != 1): every velocity is
-``v(silence) + g * (v(audio) - v(silence))``, both halves in one batched forward. Silence is a
-condition the model saw in every pause of its training speech, so it needs no condition dropout in
-training; the guidance amplifies what the audio changes — the mouth.
+Audio guidance (the request's ``options["audio_guidance"]`` g != 1, default
+``ModelPreset.audio_guidance``): every velocity is ``v(silence) + g * (v(audio) - v(silence))``, both
+halves in one batched forward. Silence is a condition the model saw in every pause of its training
+speech, so it needs no condition dropout in training; the guidance amplifies what the audio changes —
+the mouth. The sampler (``models.sampler.FlowMatchEulerSampler``, the preset's shift) takes
+``options["steps"]`` steps (default ``ModelPreset.num_steps``); both are job values
+(``pipeline.ports.OPTIONS``, checked by ``TinyFamily.options``), read per step.
 
 Batched steps (:class:`~pipeline.stage.BatchedStage`): the pipeline may hand ``I_{k-1}`` and
 ``N_{k+1}`` over together; their windows are packed along T and sampled as one, each window
@@ -24,6 +27,7 @@ from typing import Any
 
 import torch
 
+from models.sampler import FlowMatchEulerSampler
 from pipeline.families.tiny import ports as P
 from pipeline.module import Module
 from pipeline.schedule import ChunkKind, ChunkStep
@@ -33,15 +37,14 @@ from pipeline.stage_common import Timings, known_positions
 
 class A2VStage(BatchedStage):
     name = "a2v"
-    inputs = (P.STEP, P.ROLLING, P.REF_LATENT, P.REF_LOWRES, P.TEXT_TOKENS, P.TEXT_MASK, P.AUDIO_FEATS,
-              P.AUDIO_FEATS_SILENT, P.NOISE)
+    inputs = (P.STEP, P.ROLLING, P.OPTIONS, P.REF_LATENT, P.REF_LOWRES, P.TEXT_TOKENS, P.TEXT_MASK,
+              P.AUDIO_FEATS, P.AUDIO_FEATS_SILENT, P.NOISE)
     outputs = (P.A2V_CONTEXT, P.STEP_LATENTS)
 
-    def __init__(self, dit: Module, sampler: object, *, timings: Timings, audio_guidance: float = 1.0) -> None:
+    def __init__(self, dit: Module, *, timings: Timings, shift: float) -> None:
         self.dit = dit
-        self.sampler = sampler  # models.sampler.FlowMatchEulerSampler (no weights)
         self.timings = timings
-        self.audio_guidance = audio_guidance
+        self.shift = shift  # the sampler's (ModelPreset.shift); its steps are the request's
 
     def modules(self) -> list[object]:
         return [self.dit]
@@ -65,9 +68,11 @@ class A2VStage(BatchedStage):
             known[:, :, known_positions(step, device)] = known_latents(
                 step, values.get(P.REF_LOWRES), state.last_n, state.prev_last).to(noise.dtype)
         frame_index_BT = torch.tensor([list(step.window)], dtype=torch.long, device=device)
-        silent = values.get_optional(P.AUDIO_FEATS_SILENT) if self.audio_guidance != 1.0 else None
+        options = values.get(P.OPTIONS)
+        guidance, steps = float(options["audio_guidance"]), int(options["steps"])
+        silent = values.get_optional(P.AUDIO_FEATS_SILENT) if guidance != 1.0 else None
         return _Window(step, noise, known, known_BT, frame_index_BT, values.get(P.AUDIO_FEATS), silent,
-                       values.get(P.REF_LATENT), values.get(P.A2V_CONTEXT))
+                       values.get(P.REF_LATENT), values.get(P.A2V_CONTEXT), guidance, steps)
 
     @torch.no_grad()
     def run_batch(self, prepared: Sequence[_Window]) -> list[dict[Port[Any], object]]:
@@ -83,13 +88,14 @@ class A2VStage(BatchedStage):
         silent = None if first.silent is None else cat([w.silent for w in prepared if w.silent is not None], 1)  # all or none
         known_BT = cat([w.known_BT for w in prepared], 1)
         velocity = velocity_fn(self.dit.get(), known_BT, cat([w.frame_index_BT for w in prepared], 1), first.ref,
-                               cat([w.audio for w in prepared], 1), first.context, silent, self.audio_guidance,
+                               cat([w.audio for w in prepared], 1), first.context, silent, first.guidance,
                                windows=sizes if packed else None)
+        sampler = FlowMatchEulerSampler(first.steps, self.shift)  # no weights: one per sampling is free
         with self.timings.model("a2v"):
-            x0 = self.sampler.sample(velocity, cat([w.noise for w in prepared], 2),  # type: ignore[attr-defined]
-                                     cat([w.known for w in prepared], 2), known_BT)
+            x0 = sampler.sample(velocity, cat([w.noise for w in prepared], 2), cat([w.known for w in prepared], 2),
+                                known_BT)
         out: list[dict[Port[Any], object]] = []
-        for w, x0_w in zip(prepared, x0.split(sizes, dim=2) if packed else [x0], strict=True):
+        for w, x0_w in zip(prepared, torch.split(x0, list(sizes), dim=2) if packed else [x0], strict=True):
             g0 = w.step.generate.start - w.step.window.start
             out.append({P.STEP_LATENTS: x0_w[:, :, g0 : g0 + len(w.step.generate)].contiguous()})
         return out
@@ -108,6 +114,8 @@ class _Window:
     silent: torch.Tensor | None
     ref: torch.Tensor  # job values: the same for every window
     context: tuple[torch.Tensor, torch.Tensor | None]
+    guidance: float  # the request's options: audio guidance, sampler steps
+    steps: int
 
 
 def known_latents(step: ChunkStep, ref_lowres: torch.Tensor, last_n: torch.Tensor | None,
@@ -137,7 +145,8 @@ def velocity_fn(dit: object, known_BT: torch.Tensor, frame_index_BT: torch.Tenso
     frame counts); with ``guidance`` != 1 the DiT runs once over the batch [audio, silence] and
     returns ``v(silence) + guidance * (v(audio) - v(silence))``."""
     if guidance != 1.0 and silent is None:
-        raise RuntimeError("audio guidance needs the context stage's silence features (silence_features=True)")
+        raise RuntimeError("audio guidance needs the context stage's silence features (it computes them when "
+                           "the request's options['audio_guidance'] != 1)")
     if guidance == 1.0:
         silent = None
     nb = 1 if silent is None else 2

@@ -1,6 +1,6 @@
 """ContextStage: the reference encoded once per request, then per step the audio features of the
-step's window (and, for audio guidance, the features of silence over the same window) and the
-step's initial noise."""
+step's window (and, when the request's audio guidance is not 1, the features of silence over the
+same window) and the step's initial noise."""
 
 from __future__ import annotations
 
@@ -17,15 +17,13 @@ from pipeline.stage_common import Timings, step_generator
 class ContextStage(Stage):
     name = "context"
     phase = Phase.STEP
-    inputs = (P.REFERENCE_RGB, P.AUDIO, P.TEXT, P.SEED, P.STEP)
+    inputs = (P.REFERENCE_RGB, P.AUDIO, P.TEXT, P.SEED, P.OPTIONS, P.STEP)
     outputs = (P.REF_LATENT, P.REF_LOWRES, P.TEXT_TOKENS, P.TEXT_MASK, P.AUDIO_GAIN, P.AUDIO_FEATS,
                P.AUDIO_FEATS_SILENT, P.NOISE)
 
     def __init__(self, vae: Module, audio: Module, text: Module | None, *, fps: int, sample_rate: int,
-                 latent_channels: int, lr_latent_hw: tuple[int, int], timings: Timings,
-                 silence_features: bool = False) -> None:
+                 latent_channels: int, lr_latent_hw: tuple[int, int], timings: Timings) -> None:
         self.vae, self.audio, self.text = vae, audio, text
-        self.silence_features = silence_features  # the A2V stage guides the audio (ModelPreset.audio_guidance)
         self.fps, self.sample_rate = fps, sample_rate
         self.latent_channels, self.lr_latent_hw = latent_channels, lr_latent_hw
         self.timings = timings
@@ -63,9 +61,12 @@ class ContextStage(Stage):
         s0, s1 = (step.window.start - pad) * spf, (step.window.stop + pad) * spf
         wave = values.get(P.AUDIO).read(s0, s1, self.sample_rate) * values.get(P.AUDIO_GAIN)
         wave_BS = torch.from_numpy(np.clip(wave, -1.0, 1.0).astype(np.float32))[None].to(self.audio.device)
+        # the A2V stage guides the audio (the request's options.audio_guidance != 1): silence is its
+        # unconditional input; with guidance 1 it runs one forward and needs none
+        guided = float(values.get(P.OPTIONS)["audio_guidance"]) != 1.0
         with self.timings.model("audio"):
             feats = encoder(wave_BS, len(step.window))
-            silent = encoder(torch.zeros_like(wave_BS), len(step.window)) if self.silence_features else None
+            silent = encoder(torch.zeros_like(wave_BS), len(step.window)) if guided else None
         values.put(P.AUDIO_FEATS, feats)
         values.put(P.AUDIO_FEATS_SILENT, silent)
         h, w = self.lr_latent_hw

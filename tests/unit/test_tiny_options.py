@@ -1,0 +1,159 @@
+"""The tiny family's per-request options (``RenderRequest.options``): ``audio_guidance`` and ``steps``,
+checked by ``TinyFamily.options`` (the bound check wan uses, ``pipeline.model_family.check_option``)
+and read by the context and A2V stages at run time, so one warm pipeline serves every request."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from bench.inputs import DEMO_IMAGE
+from models.presets import ModelPreset, get_preset
+from pipeline.errors import InvalidInputError
+from pipeline.families import FAMILIES
+from pipeline.families.tiny import OPTION_BOUNDS
+from pipeline.families.tiny import ports as P
+from pipeline.family_runtime import WARM_FAMILIES, FamilyRuntime
+from pipeline.render import render
+from pipeline.request import RenderRequest
+
+TINY = FAMILIES.get("tiny")
+
+
+def test_defaults_are_the_presets_values() -> None:
+    p = get_preset("tiny")
+    assert TINY.options(p, {}) == {"audio_guidance": p.audio_guidance, "steps": p.num_steps} == {
+        "audio_guidance": 2.5, "steps": 5}
+    # the default follows the preset (a preset patched to guidance 1 / 8 steps defaults to them)
+    patched = dataclasses.replace(p, audio_guidance=1.0, num_steps=8)
+    assert TINY.options(patched, {}) == {"audio_guidance": 1.0, "steps": 8}
+    # values within the bounds, each as its option's type (an int option takes an integral float)
+    opts = TINY.options(p, {"audio_guidance": 2, "steps": 3.0})
+    assert opts == {"audio_guidance": 2.0, "steps": 3}
+    assert type(opts["audio_guidance"]) is float and type(opts["steps"]) is int
+    assert TINY.options(p, {"audio_guidance": 10, "steps": 50}) == {"audio_guidance": 10.0, "steps": 50}
+    assert TINY.options(p, {"audio_guidance": 1.0, "steps": 1}) == {"audio_guidance": 1.0, "steps": 1}
+    assert OPTION_BOUNDS == {"audio_guidance": (float, 1.0, 10.0), "steps": (int, 1, 50)}
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("audio_guidance", 0.5), ("audio_guidance", 10.5), ("audio_guidance", "2"), ("audio_guidance", True),
+    ("audio_guidance", math.nan), ("audio_guidance", math.inf), ("audio_guidance", None),
+    ("steps", 0), ("steps", 51), ("steps", 2.5), ("steps", "5"), ("steps", True), ("steps", 10**400),
+])
+def test_a_bad_value_names_the_key_value_bounds_and_default(key: str, value: object) -> None:
+    with pytest.raises(InvalidInputError) as err:
+        TINY.options(get_preset("tiny"), {key: value})  # type: ignore[dict-item]
+    assert err.value.field == f"options.{key}"
+    bounds, default = {"audio_guidance": ("float in [1, 10]", "2.5"), "steps": ("int in [1, 50]", "5")}[key]
+    assert str(err.value) == f"options.{key}={value!r}: must be {bounds} (preset 'tiny' default {default})"
+
+
+def test_an_unknown_key_names_the_keys_tiny_takes() -> None:
+    with pytest.raises(InvalidInputError) as err:  # wan's keys are not tiny's
+        TINY.options(get_preset("tiny"), {"steps": 3, "text_guidance": 5.0})
+    assert err.value.field == "options.text_guidance"
+    assert str(err.value) == "options.text_guidance: the tiny family takes ['audio_guidance', 'steps']"
+
+
+def test_wan_refuses_through_the_same_check() -> None:
+    from pipeline.families.wan.presets import PRESETS
+
+    wan = FAMILIES.get("wan")
+    with pytest.raises(InvalidInputError) as err:
+        wan.options(PRESETS["infinitetalk"], {"audio_guidance": True})
+    assert err.value.field == "options.audio_guidance"
+    assert str(err.value) == "options.audio_guidance=True: must be float in [1, 20] (preset 'infinitetalk' default 4.0)"
+    with pytest.raises(InvalidInputError, match=r"the wan family takes \['audio_guidance', 'conditioning'"):
+        wan.options(PRESETS["infinitetalk"], {"cfg": 1})
+
+
+class _Spy:
+    """What the tiny pipeline's A2V sees: the silence features the context stage produced per step,
+    and the batch size of every DiT forward (2: audio + silence; 1: no guidance)."""
+
+    def __init__(self, runtime: FamilyRuntime) -> None:
+        self.silent: list[object] = []
+        self.forwards: list[int] = []
+        self.a2v = runtime.pipeline.step_stages[1]
+        self.dit = runtime.modules["a2v"].get()
+
+    def __enter__(self) -> _Spy:
+        prepare = self.a2v.prepare  # type: ignore[attr-defined]
+
+        def spy(values):  # type: ignore[no-untyped-def]
+            self.silent.append(values.get_optional(P.AUDIO_FEATS_SILENT))
+            return prepare(values)
+
+        self.a2v.prepare = spy  # type: ignore[attr-defined]
+        self.hook = self.dit.register_forward_pre_hook(lambda m, args: self.forwards.append(args[0].shape[0]))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.hook.remove()
+        del self.a2v.prepare  # type: ignore[attr-defined]  # the class's method again
+
+
+def _render(request: RenderRequest, runtime: FamilyRuntime) -> tuple[np.ndarray, _Spy]:
+    parts: list[tuple[int, np.ndarray]] = []
+    with _Spy(runtime) as spy:
+        render(request, [], family=runtime, frame_tap=lambda f0, fr: parts.append((f0, fr.copy())))
+    parts.sort(key=lambda p: p[0])
+    return np.concatenate([p[1] for p in parts]), spy
+
+
+def _runtime(preset: ModelPreset | None = None) -> FamilyRuntime:
+    if preset is None:  # what render() uses for a default request
+        return WARM_FAMILIES.get(TINY, "tiny")
+    return FamilyRuntime(TINY, preset, TINY.default_checkpoint(get_preset("tiny")))
+
+
+def test_audio_guidance_reaches_the_context_and_a2v_stages(speech) -> None:  # type: ignore[no-untyped-def]
+    audio = speech(0.64)  # 16 frames: N0 only
+    request = RenderRequest(image=DEMO_IMAGE, audio=audio, seed=2)
+    warm = _runtime()
+    default, d = _render(request, warm)
+    assert d.forwards and set(d.forwards) == {2}  # guided: audio and silence in one forward
+    assert d.silent and all(isinstance(s, torch.Tensor) for s in d.silent)
+    explicit, _ = _render(dataclasses.replace(request, options={"audio_guidance": 2.5, "steps": 5}), warm)
+    assert np.array_equal(explicit, default)  # the defaults are the preset's: the same frames
+
+    # guidance 1 by request on the 2.5 preset: no silent half, one forward per sampler step, and the
+    # frames of a preset whose guidance is 1
+    off, o = _render(dataclasses.replace(request, options={"audio_guidance": 1.0}), warm)
+    assert o.silent and all(s is None for s in o.silent)
+    assert set(o.forwards) == {1} and len(o.forwards) == len(d.forwards)
+    assert off.shape == default.shape and not np.array_equal(off, default)
+    unguided_preset = _runtime(dataclasses.replace(get_preset("tiny"), audio_guidance=1.0))
+    preset_off, p = _render(request, unguided_preset)
+    assert np.array_equal(off, preset_off) and set(p.forwards) == {1}
+
+    # guidance 2.5 by request on a preset with 1: the silence features are computed all the same
+    on, n = _render(dataclasses.replace(request, options={"audio_guidance": 2.5}), unguided_preset)
+    assert n.silent and all(isinstance(s, torch.Tensor) for s in n.silent) and set(n.forwards) == {2}
+    assert np.array_equal(on, default)
+
+
+def test_steps_reach_the_sampler_with_batched_steps(speech) -> None:  # type: ignore[no-untyped-def]
+    # 2.6 s: N0 N1 I0 N2 I1 N3 I2 N4 -> 5 groups of batched steps (I0+N2, I1+N3, I2+N4 packed)
+    request = RenderRequest(image=DEMO_IMAGE, audio=speech(2.6), seed=11, options={"steps": 3})
+    warm = _runtime()
+    assert warm.batch_steps
+    three, t = _render(request, warm)
+    assert len(t.forwards) == 5 * 3  # one DiT forward per sampler step per group
+    warm.batch_steps = False
+    try:
+        sequential, s = _render(request, warm)
+    finally:
+        warm.batch_steps = True
+    assert len(s.forwards) == 8 * 3 and np.array_equal(three, sequential)
+    default, d = _render(dataclasses.replace(request, options={}), warm)
+    assert len(d.forwards) == 5 * 5 and three.shape == default.shape and not np.array_equal(three, default)
+    # the same frames as a preset whose own steps are 3
+    preset_three, _ = _render(dataclasses.replace(request, options={}),
+                              _runtime(dataclasses.replace(get_preset("tiny"), num_steps=3)))
+    assert np.array_equal(three, preset_three)
