@@ -204,12 +204,23 @@ class LongtakeClient:
         *,
         image: Path | None = None,
         audio: Path | None = None,
+        options: Mapping[str, str | int | float] | None = None,
     ) -> JobView:
         """Submit a job. With ``image``/``audio`` the files are uploaded (multipart) and the spec
-        must leave those inputs out; otherwise the spec's URIs are used as given. A spec with an
+        must leave those inputs out; otherwise the spec's URIs are used as given. ``options``: the
+        family's sampling options (``JobSpec.options``, e.g. ``{"steps": 3, "audio_guidance": 2.0}``),
+        merged over the spec's own ``options`` key by key; the API checks them against the job's
+        family and preset (``422 invalid_spec`` naming ``options.<key>``). A spec with an
         ``idempotency_key`` already used by this tenant returns the existing job."""
+        body = dict(spec)
+        if options:
+            given = body.get("options") or {}
+            if not isinstance(given, Mapping):
+                raise ValueError(f"spec['options'] is a {type(given).__name__}; give an object of option names "
+                                 "to values, or pass options= only")
+            body["options"] = {**given, **options}
         if image is None and audio is None:
-            resp = self._req("POST", "/v1/jobs", json=dict(spec))
+            resp = self._req("POST", "/v1/jobs", json=body)
         else:
             files: dict[str, tuple[str, bytes, str]] = {}
             for name, path in (("image", image), ("audio", audio)):
@@ -218,7 +229,7 @@ class LongtakeClient:
                     if not p.is_file():
                         raise FileNotFoundError(f"{name} file {p} does not exist; pass an existing file")
                     files[name] = (p.name, p.read_bytes(), "application/octet-stream")
-            resp = self._req("POST", "/v1/jobs/upload", data={"spec": json.dumps(dict(spec))}, files=files)
+            resp = self._req("POST", "/v1/jobs/upload", data={"spec": json.dumps(body)}, files=files)
         return JobView.model_validate(self._check(resp))
 
     def get(self, job_id: str) -> JobView:

@@ -16,6 +16,11 @@ Input URIs take one of three forms:
 The allowed root is passed as validation context (``JobSpec.model_validate(data,
 context=spec_context(settings))``). Without a context, ``file://`` URIs are checked for syntax only;
 the worker checks the root again before it reads anything (:func:`resolve_file_uri`).
+
+``options`` (the family's sampling options, e.g. ``{"steps": 3}``) are checked by the job's family
+for its preset (``ModelFamily.options``, torch-free), as ``preset`` is, with or without a context,
+but not when the spec is rebuilt from its row (``STORED_KEY``): there ``render()``'s check of the
+same options decides, at run time.
 """
 
 from __future__ import annotations
@@ -47,6 +52,20 @@ MODELS_KEY = "models"
 SESSION_IDLE_MAX_KEY = "session_idle_max_s"
 """Validation-context key: the longest ``session.idle_timeout_s`` a spec may ask for
 (``Settings.session_idle_max_s``)."""
+STORED_KEY = "stored"
+"""Validation-context key: True when the spec is rebuilt from its job row
+(:func:`worker.jobs.records.record_of`). The family's check of ``options`` is not repeated then: a
+row whose options this deployment's family no longer takes stays readable (the API shows it, a
+worker claims it) and its render refuses them, failing the job ``invalid_input`` with the reason."""
+
+
+class SpecFieldError(ValueError):
+    """A refusal that names a field below the validator's own (``options.steps`` for the ``options``
+    validator); the API reports ``field`` as the error's field (:func:`worker.api.deps.field_errors`)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def spec_context(
@@ -285,6 +304,13 @@ class JobSpec(BaseModel):
         default=None,
         description="Weights by name, one the operator configured (LONGTAKE_MODELS); None = the preset's default",
     )
+    options: dict[str, str | int | float] = Field(
+        default_factory=dict,
+        description="The family's sampling options for this render, e.g. {\"steps\": 3, \"audio_guidance\": 2.0} "
+        "(tiny); checked at submission by the family for the preset (a key it does not take is refused naming "
+        "the ones it does) and stored as it reads them (an int option given 3.0 is stored as 3); a key left "
+        "out takes the preset's default",
+    )
     priority: int = Field(default=5, ge=0, le=9, description="Queue priority 0 (lowest) to 9 (highest)")
     idempotency_key: str | None = Field(
         default=None, description="Client key; a second submission with the same key returns the first job"
@@ -356,6 +382,32 @@ class JobSpec(BaseModel):
         allowed = (info.context or {}).get(MODELS_KEY)
         if not _PRESET_RE.match(v) or (allowed is not None and v not in allowed):
             raise ValueError(f"model: {v!r} is not a model this service offers; use one of {list(allowed or [])}")
+        return v
+
+    @field_validator("options", mode="before")
+    @classmethod
+    def _options(cls, v: object, info: ValidationInfo) -> object:
+        # before the strict types: the family's message (key, value, bounds, preset default) is the
+        # one a bad value gets, not pydantic's per-type ones
+        if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+            raise ValueError(
+                f"options: must be an object of option names to values (got {type(v).__name__}); send e.g. "
+                '{"steps": 3, "audio_guidance": 2.0}'
+            )
+        family, preset = info.data.get("family"), info.data.get("preset")
+        stored = isinstance(info.context, dict) and info.context.get(STORED_KEY)
+        if family is not None and preset is not None and not stored:  # None: refused, and says so
+            fam = FAMILIES.get(family)
+            try:  # the family's own check (torch-free), the one render() applies again
+                checked = fam.options(fam.preset(preset), v)
+            except InvalidInputError as exc:
+                raise SpecFieldError(exc.field or "options", str(exc)) from exc
+            v = {key: checked.get(key, value) for key, value in v.items()}
+        for key, value in v.items():
+            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+                raise SpecFieldError(
+                    f"options.{key}", f"options.{key}: must be a number or a string (got {type(value).__name__})"
+                )
         return v
 
     @field_validator("idempotency_key")

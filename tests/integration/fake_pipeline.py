@@ -4,7 +4,8 @@ Deterministic: fragment ``i`` of seed ``s`` depends on a rolling hash state carr
 so resuming from the wrong state gives different bytes (the resume tests can fail). It sleeps
 ``sleep_s`` per chunk, honours ``resume_state`` / ``should_cancel`` / ``on_progress`` exactly as the
 contract says, and appends one line per fragment it produces to ``$LONGTAKE_FAKE_RENDER_LOG`` (the
-render counter).
+render counter). ``request.options`` are checked by the family as ``render()`` checks them, and each
+call's request (seed, family, preset, options) is appended to ``$LONGTAKE_FAKE_REQUEST_LOG`` when set.
 
 The "audio" input is a small JSON file describing the render: ``{"num_fragments": 6,
 "sleep_s": 0.2, "fail_at": null, "fail_code": null}``. The image input is only checked to exist.
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import CancelledError, InvalidInputError, OutOfMemoryError, RenderError
+from pipeline.families import FAMILIES
 from pipeline.media_types import Fragment, FrameSink, InitSegment
 from pipeline.request import RenderProgress, RenderRequest, RenderResult
 
@@ -172,6 +174,17 @@ def _count(seed: int, index: int) -> None:
             os.close(fd)
 
 
+def _log_request(request: RenderRequest) -> None:
+    """One JSON line per render call, ``{"seed", "family", "preset", "options"}``, appended to
+    ``$LONGTAKE_FAKE_REQUEST_LOG`` when it is set: what reached the rank's renderer."""
+    path = os.environ.get("LONGTAKE_FAKE_REQUEST_LOG")
+    if path:
+        line = json.dumps({"seed": request.seed, "family": request.family, "preset": request.preset,
+                           "options": dict(request.options)})
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
 LIVE_SPAN_S = FRAMES_PER_FRAGMENT / FPS
 
 
@@ -266,6 +279,10 @@ def render(
     t0 = time.monotonic()
     if not Path(request.image).is_file():
         raise InvalidInputError(f"image: {request.image} does not exist", field="image")
+    # the family's options, checked as render() checks them (a stale option fails the job here)
+    fam = FAMILIES.get(request.family)
+    fam.options(fam.preset(request.preset), request.options)
+    _log_request(request)
     if request.live:
         return _render_live(request, sinks, should_cancel, on_progress)
     plan = read_plan(Path(request.audio))

@@ -200,6 +200,7 @@ class JobsEnv:
         fail_code: str | None = None,
         tenant: str = "t1",
         hang_at: int | None = None,
+        options: dict[str, str | int | float] | None = None,
     ) -> str:
         plan = fake_pipeline.write_plan(
             self.tmp / "in" / f"plan-{seed}.json",
@@ -211,7 +212,8 @@ class JobsEnv:
             hang_once=self.tmp / f"hang-{seed}" if hang_at is not None else None,
         )
         spec = JobSpec.model_validate(
-            {"image": f"file://{self.tmp}/in/face.png", "audio": f"file://{plan}", "seed": seed},
+            {"image": f"file://{self.tmp}/in/face.png", "audio": f"file://{plan}", "seed": seed,
+             "options": options or {}},
             context=spec_context(self.settings.file_root),
         )
         rec = self.store.create(spec, tenant=tenant)

@@ -261,6 +261,7 @@ BAD_SUBMISSIONS = [
     pytest.param({"session": {"sample_rate": 16000}}, 422, "session", "give one of the two",
                  id="both-audio-and-session"),
     pytest.param({"priority": 12}, 422, "priority", "less than or equal to 9", id="priority-range"),
+    pytest.param({"options": {"steps": 0}}, 422, "options.steps", "[1, 50]", id="option-out-of-bounds"),
 ]
 
 
@@ -278,6 +279,42 @@ def test_bad_submission_is_4xx_names_field_and_fix_and_queues_nothing(
     assert any(e["field"] == field for e in body["errors"])
     assert api.queue_len() == 0
     assert api.job_rows() == 0
+
+
+def test_family_options_are_checked_at_submit_and_stored_on_the_row(api: Api, tmp_path: Path) -> None:
+    headers = {"Authorization": f"Bearer {TOKEN_A}"}
+    resp = httpx.post(f"{api.url}/v1/jobs", json=_spec(options={"steps": 0, "audio_guidance": 2.0}), headers=headers)
+    assert resp.status_code == 422, resp.text
+    message = "options.steps=0: must be int in [1, 50] (preset 'tiny' default 5)"  # key, value, bounds, default
+    assert resp.json() == {"error": "invalid_spec", "message": message,
+                           "errors": [{"field": "options.steps", "message": message}]}
+    # bounds are the preset's: wan's infinitetalk takes guidance up to 20, tiny's up to 10
+    resp = httpx.post(f"{api.url}/v1/jobs", json=_spec(options={"audio_guidance": 12}), headers=headers)
+    assert resp.status_code == 422 and resp.json()["errors"][0]["field"] == "options.audio_guidance"
+    assert "float in [1, 10] (preset 'tiny' default 2.5)" in resp.json()["message"]
+    resp = httpx.post(f"{api.url}/v1/jobs", json=_spec(options={"cfg": 2}), headers=headers)
+    assert resp.status_code == 422 and resp.json()["errors"] == [
+        {"field": "options.cfg", "message": "options.cfg: the tiny family takes ['audio_guidance', 'steps']"}]
+    assert api.queue_len() == 0 and api.job_rows() == 0
+    with api.client() as c:  # the client's options= merge over the spec's own, key by key
+        job = c.submit(_spec(options={"steps": 9, "audio_guidance": 3}), options={"steps": 3.0})
+        wan = c.submit(_spec(family="wan", preset="infinitetalk"), options={"audio_guidance": 12})
+    assert job.spec["options"] == {"steps": 3, "audio_guidance": 3.0}  # as the family reads them
+    assert wan.spec["options"] == {"audio_guidance": 12.0}
+    with api.engine.connect() as conn:
+        stored = conn.execute(text("SELECT spec FROM jobs WHERE id = :id"), {"id": job.id}).scalar_one()
+    assert stored["options"] == {"steps": 3, "audio_guidance": 3.0}
+    # the multipart route (what `longtake submit` / `live` send with local files) checks them the same
+    image, audio = tmp_path / "face.png", tmp_path / "speech.wav"
+    image.write_bytes(api_media.png())
+    audio.write_bytes(api_media.wav())
+    with api.client() as c:
+        with pytest.raises(LongtakeAPIError) as exc:
+            c.submit({}, image=image, audio=audio, options={"steps": 0})
+        uploaded = c.submit({}, image=image, audio=audio, options={"steps": 3})
+    assert exc.value.status_code == 422 and exc.value.body["errors"][0]["field"] == "options.steps"  # type: ignore[index]
+    assert uploaded.spec["options"] == {"steps": 3}
+    assert api.queue_len() == 3 and api.job_rows() == 3
 
 
 def test_file_uri_under_the_allowed_root_is_accepted(api: Api) -> None:

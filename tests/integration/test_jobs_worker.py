@@ -3,6 +3,7 @@ process within about one chunk, bad inputs fail without retries, metrics are ser
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.request
 
@@ -84,6 +85,41 @@ def test_invalid_input_fails_once_and_oom_is_retried(jobs_env: JobsEnv) -> None:
     assert room.status == "failed" and room.error_code == "out_of_memory" and room.attempts == 3
     renders = jobs_env.renders()
     assert [renders[(42, i)] for i in range(3)] == [1, 1, 1]
+
+
+def test_options_reach_the_render_and_options_refused_at_run_time_fail_the_job(
+    jobs_env: JobsEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The spec's options are in the RenderRequest the rank's renderer gets; a row whose options the
+    family refuses when it renders (bounds narrowed since submit, a row written behind the API) is
+    read, claimed and failed once, ``invalid_input``, the row saying which option and why. In-process
+    JobWorker on the real NodeEngine (one rank), the fake render checking options as render() does."""
+    from sqlalchemy import update
+
+    from worker.jobs.tables import JobRow
+    from worker.jobs.tasks import JobWorker
+
+    log = jobs_env.tmp / "requests.jsonl"
+    monkeypatch.setenv("LONGTAKE_FAKE_REQUEST_LOG", str(log))  # read by the rank the worker spawns
+    good = jobs_env.submit(seed=51, num_fragments=2, sleep_s=0.0, publish=False,
+                           options={"steps": 3, "audio_guidance": 2.0})
+    stale = jobs_env.submit(seed=52, num_fragments=2, sleep_s=0.0, publish=False, options={"steps": 3})
+    with jobs_env.store.engine.begin() as conn:
+        row = conn.execute(JobRow.__table__.select().where(JobRow.id == stale)).one()
+        conn.execute(update(JobRow).where(JobRow.id == stale).values(spec={**row.spec, "options": {"steps": 99}}))
+    worker = JobWorker(jobs_env.settings, renderer=fake_pipeline.render)
+    try:
+        assert worker.run(good) == "succeeded"
+        assert worker.run(stale) == "failed"
+    finally:
+        worker.node.close(1.0)
+        worker.engine.dispose()
+    seen = [json.loads(line) for line in log.read_text().splitlines()]
+    assert seen == [{"seed": 51, "family": "tiny", "preset": "tiny", "options": {"steps": 3, "audio_guidance": 2.0}}]
+    rec = jobs_env.store.get(stale)
+    assert rec is not None and rec.status == "failed" and rec.attempts == 1, rec
+    assert rec.error_code == "invalid_input"
+    assert rec.error_message == "options.steps=99: must be int in [1, 50] (preset 'tiny' default 5)"
 
 
 def test_preview_sink_failure_costs_the_preview_not_the_job() -> None:

@@ -423,7 +423,8 @@ def test_longtake_live_streams_a_file_end_to_end(stack: Stack) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LONGTAKE_API_URL": stack.url, "LONGTAKE_API_TOKEN": TOKEN_A}
     started = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "worker.cli", "live", "--image", str(stack.tmp / "in" / "face.png"),
-                          "--audio-from", str(wav)], env=env, capture_output=True, text=True, timeout=120)
+                          "--audio-from", str(wav), "--option", "steps=3", "--option", "audio_guidance=2"],
+                         env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert time.monotonic() - started >= 1.5  # real-time pace
     lines = out.stdout.splitlines()
@@ -432,6 +433,7 @@ def test_longtake_live_streams_a_file_end_to_end(stack: Stack) -> None:
     job = stack.wait(job_id)
     assert job["status"] == "succeeded" and job["session"]["end_reason"] == "closed", job  # type: ignore[index]
     assert job["session"]["audio_s"] == 1.5 and job["spec"]["session"]["sample_rate"] == 22050, job  # type: ignore[index]
+    assert job["spec"]["options"] == {"steps": 3, "audio_guidance": 2.0}, job  # a session takes the job's options
     assert "mp4" in out.stdout and "closed" in out.stdout, out.stdout
 
 

@@ -619,3 +619,63 @@ def test_status_shows_when_a_running_job_last_moved(capsys: pytest.CaptureFixtur
     assert "last moved" not in capsys.readouterr().out
     assert cli._ago(moved - timedelta(hours=2), now=moved) == "2h00m"
     assert cli._ago(moved, now=moved - timedelta(seconds=5)) == "0s"
+
+
+def test_option_flag_parses_key_value_as_int_float_or_string(capsys: pytest.CaptureFixture[str]) -> None:
+    from worker.cli.options import options_of, parse_option
+    from worker.cli.render import build_parser as render_parser
+
+    argv = ["--image", "s3://b1/f.png", "--option", "steps=3", "--option", "audio_guidance=2.0",
+            "--option", "conditioning=latent", "--option", "shift=1e1", "--option", "negative_prompt=a=b c",
+            "--option", "x=nan", "--option", "empty="]
+    for command in (["submit", "--audio", "s3://b1/a.wav"], ["live", "--audio-from", "-"]):
+        args = cli.build_parser().parse_args([*command, *argv])
+        opts = options_of(args.options)
+        assert opts == {"steps": 3, "audio_guidance": 2.0, "conditioning": "latent", "shift": 10.0,
+                        "negative_prompt": "a=b c", "x": "nan", "empty": ""}, command
+        assert type(opts["steps"]) is int and type(opts["audio_guidance"]) is float
+    args = render_parser().parse_args(["--image", "f.png", "--audio", "a.wav", "--out", "o.mp4", "--option", "steps=3"])
+    assert options_of(args.options) == {"steps": 3}
+    assert options_of(cli.build_parser().parse_args(["submit", *argv[:2], "--audio", "a.wav"]).options) == {}
+    assert parse_option(" steps =4") == ("steps", 4)
+    for bad in ("steps", "=3"):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["submit", "--image", "a.png", "--audio", "a.wav", "--option", bad])
+        assert exc.value.code == 2
+        assert f"argument --option: '{bad}' is not KEY=VALUE; write e.g. --option steps=3" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"--option steps= is given twice \(3 and 4\); give it once"):
+        options_of([("steps", 3), ("steps", 4)])
+    for command in ("submit", "live"):  # --help names the flag with an example
+        with pytest.raises(SystemExit):
+            cli.main([command, "--help"])
+        assert "--option KEY=VALUE" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["render", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--option KEY=VALUE" in help_text and "e.g. --option steps=3 --option audio_guidance=2.0" in help_text
+
+
+def test_submit_sends_options_over_the_spec_files_and_refuses_a_repeated_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import httpx
+
+    from worker.client import LongtakeClient
+
+    sent: list[dict[str, object]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        return httpx.Response(201, json={"id": "j1", "tenant": "t", "status": "queued", "spec": sent[-1]})
+
+    monkeypatch.setattr(cli, "_client", lambda args: LongtakeClient(
+        "http://api.test", "t" * 16, transport=httpx.MockTransport(answer)))
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"seed": 4, "options": {"steps": 9, "audio_guidance": 2.0}}))
+    base = ["submit", "--image", "s3://b1/f.png", "--audio", "s3://b1/a.wav"]
+    assert cli.main([*base, "--spec", str(spec), "--option", "steps=3"]) == cli.EXIT_OK
+    assert sent[-1]["options"] == {"steps": 3, "audio_guidance": 2.0} and sent[-1]["seed"] == 4
+    assert cli.main(base) == cli.EXIT_OK and "options" not in sent[-1]
+    capsys.readouterr()
+    assert cli.main([*base, "--option", "steps=3", "--option", "steps=4"]) == cli.EXIT_USAGE
+    assert "--option steps= is given twice" in capsys.readouterr().err and len(sent) == 2

@@ -252,3 +252,25 @@ def test_stereo_input_is_said_to_be_mixed_to_mono(tmp_path: Path, capsys) -> Non
     assert "2 channels" in captured.err and "mono mix" in captured.err
     # start-up and the render's own time to first frame, each named for what it measures
     assert "after launch" in captured.out and "render's own time to first frame" in captured.out
+
+
+def test_options_reach_the_request_and_a_bad_one_fails_before_the_render(
+    tmp_path: Path, speech, capsys  # type: ignore[no-untyped-def]
+) -> None:
+    from worker.cli.render import _request, build_parser
+
+    args = build_parser().parse_args(["--image", str(DEMO_IMAGE), "--audio", "a.wav", "--out", "o.mp4",
+                                      "--option", "steps=3", "--option", "audio_guidance=2"])
+    assert _request(args).options == {"steps": 3, "audio_guidance": 2}  # render() normalises, as for jobs
+    assert _request(build_parser().parse_args(["--image", "f.png", "--audio", "a.wav", "--out", "o.mp4"])).options == {}
+    out = tmp_path / "o.mp4"
+    base = ["--image", str(DEMO_IMAGE), "--audio", str(speech(0.5)), "--out", str(out), "--quiet"]
+    for extra, words in [
+        (["--option", "steps=0"], "error [options.steps]: options.steps=0: must be int in [1, 50] (preset 'tiny' "
+                                  "default 5)"),
+        (["--option", "cfg=1"], "error [options.cfg]: options.cfg: the tiny family takes ['audio_guidance', 'steps']"),
+        (["--option", "steps=3", "--option", "steps=4"], "error [options]: --option steps= is given twice"),
+    ]:
+        assert main([*base, *extra]) == 2
+        assert words in capsys.readouterr().err
+        assert not out.exists() and not Path(str(out) + ".partial").exists()

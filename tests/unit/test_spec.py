@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from pipeline.request import MAX_TEXT_CHARS
-from worker.spec import JobSpec, resolve_file_uri, spec_context
+from worker.spec import STORED_KEY, JobSpec, resolve_file_uri, spec_context
 
 GOOD = {"image": "s3://bucket-a/in/face.png", "audio": "upload://abcdef123456"}
 
@@ -122,6 +122,71 @@ def test_preset_must_belong_to_the_family() -> None:
     assert "preset" in msg and "'tiny'" in msg
     assert JobSpec.model_validate({**GOOD, "family": "wan", "preset": "infinitetalk"}).preset == "infinitetalk"
     assert "preset" in _err({**GOOD, "family": "tiny", "preset": "infinitetalk"})
+
+
+def test_family_options_are_checked_for_the_preset_and_stored_as_the_family_reads_them() -> None:
+    assert JobSpec.model_validate(GOOD).options == {}
+    spec = JobSpec.model_validate({**GOOD, "options": {"steps": 3.0, "audio_guidance": 2}})
+    assert spec.options == {"steps": 3, "audio_guidance": 2.0}
+    assert type(spec.options["steps"]) is int and type(spec.options["audio_guidance"]) is float
+    assert JobSpec.model_validate(spec.model_dump(mode="json")) == spec  # the row round-trips
+    # the same check with the API's context, and another family's options with its own keys
+    assert JobSpec.model_validate({**GOOD, "options": {"steps": 50}}, context=spec_context(None)).options == {
+        "steps": 50}
+    wan = JobSpec.model_validate({**GOOD, "family": "wan", "preset": "infinitetalk",
+                                  "options": {"steps": 4, "conditioning": "reencode", "text_guidance": 5}})
+    assert wan.options == {"steps": 4, "conditioning": "reencode", "text_guidance": 5.0}
+
+
+def _field_errors(data: dict[str, object]) -> list[dict[str, str]]:
+    """The API's ``errors`` list of a refused spec (``worker.api.deps.field_errors``)."""
+    from worker.api.deps import field_errors
+
+    with pytest.raises(ValidationError) as ei:
+        JobSpec.model_validate(data, context=spec_context(None))
+    return field_errors(ei.value, known_fields=list(JobSpec.model_fields))
+
+
+@pytest.mark.parametrize(
+    ("options", "field", "message"),
+    [
+        ({"steps": 0}, "options.steps", "options.steps=0: must be int in [1, 50] (preset 'tiny' default 5)"),
+        ({"steps": 2.5}, "options.steps", "options.steps=2.5: must be int in [1, 50] (preset 'tiny' default 5)"),
+        ({"steps": "5"}, "options.steps", "options.steps='5': must be int in [1, 50] (preset 'tiny' default 5)"),
+        ({"audio_guidance": True}, "options.audio_guidance",
+         "options.audio_guidance=True: must be float in [1, 10] (preset 'tiny' default 2.5)"),
+        ({"audio_guidance": None}, "options.audio_guidance",
+         "options.audio_guidance=None: must be float in [1, 10] (preset 'tiny' default 2.5)"),
+        ({"steps": 3, "text_guidance": 5.0}, "options.text_guidance",
+         "options.text_guidance: the tiny family takes ['audio_guidance', 'steps']"),
+        ([1, 2], "options", "options: must be an object of option names to values (got list); send e.g. "
+         '{"steps": 3, "audio_guidance": 2.0}'),
+    ],
+)
+def test_a_bad_option_is_refused_naming_the_option(options: object, field: str, message: str) -> None:
+    assert _field_errors({**GOOD, "options": options}) == [{"field": field, "message": message}]
+
+
+def test_options_follow_the_preset_and_wait_for_a_valid_family_and_preset() -> None:
+    # the bounds' message quotes the requested preset's default, not the family default's
+    wan = {**GOOD, "family": "wan", "preset": "infinitetalk"}
+    (err,) = _field_errors({**wan, "options": {"audio_guidance": 30}})
+    assert err == {"field": "options.audio_guidance",
+                   "message": "options.audio_guidance=30: must be float in [1, 20] (preset 'infinitetalk' default 4.0)"}
+    # an unknown family or preset is refused once, under its own field, not again under options
+    assert [e["field"] for e in _field_errors({**GOOD, "preset": "huge", "options": {"steps": 0}})] == ["preset"]
+    assert [e["field"] for e in _field_errors({**GOOD, "family": "sora", "options": {"steps": 0}})] == ["family"]
+
+
+def test_a_stored_row_keeps_options_its_family_now_refuses() -> None:
+    """A row written when the bounds were wider (or behind the API's back) stays readable: the
+    render's check of the same options fails the job, naming the option (test_jobs_worker.py)."""
+    stale = {**GOOD, "options": {"steps": 99}}
+    assert JobSpec.model_validate(stale, context={STORED_KEY: True}).options == {"steps": 99}
+    assert _field_errors(stale)[0]["field"] == "options.steps"
+    # the shape is still checked on a stored row
+    with pytest.raises(ValidationError, match="options.steps: must be a number or a string"):
+        JobSpec.model_validate({**GOOD, "options": {"steps": [3]}}, context={STORED_KEY: True})
 
 
 def test_file_root_is_not_shown_in_the_refusal(tmp_path: Path) -> None:

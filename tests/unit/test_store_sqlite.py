@@ -185,3 +185,22 @@ def test_progress_at_moves_with_the_render_not_with_heartbeats(store: JobStore) 
     assert moved() > rendered
     rec = store.get(job.id)
     assert rec is not None and rec.updated_at >= rec.progress_at  # type: ignore[operator]
+
+
+def test_a_row_whose_options_the_family_now_refuses_is_still_read(store: JobStore) -> None:
+    """Options are stored as submitted and checked again by the render, not on every read: a row the
+    deployed family no longer accepts (bounds narrowed, a row written behind the API) can still be
+    listed, shown, claimed and failed by its render (tests/integration/test_jobs_worker.py)."""
+    from sqlalchemy import update
+
+    from worker.jobs.tables import JobRow
+
+    job = store.create(SPEC.model_copy(update={"options": {"steps": 3}}), tenant="t1")
+    assert job.spec.options == {"steps": 3}
+    with store.engine.begin() as conn:
+        conn.execute(update(JobRow).where(JobRow.id == job.id).values(spec={**SPEC.model_dump(mode="json"),
+                                                                            "options": {"steps": 99}}))
+    got = store.get(job.id)
+    assert got is not None and got.spec.options == {"steps": 99}
+    assert [j.id for j in store.list(tenant="t1")] == [job.id]
+    assert store.claim(job.id, owner="w1", lease_s=30) is not None

@@ -28,6 +28,7 @@ from worker.delivery.object_store import ObjectStore
 from worker.jobs.records import JobRecord
 from worker.jobs.store import JobStore
 from worker.settings import Settings
+from worker.spec import SpecFieldError
 
 API_PREFIX = "/v1"
 # what a 503 (database or broker unreachable) tells clients to wait before retrying, in seconds
@@ -65,7 +66,10 @@ def field_errors(exc: ValidationError, *, known_fields: Sequence[str]) -> list[d
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, ") :]  # the spec's own message already names field and fix
             named = msg.split(":", 1)[0]
-            if field == "(body)" and named.split(".", 1)[0] in known_fields:
+            cause = (err.get("ctx") or {}).get("error")
+            if isinstance(cause, SpecFieldError):
+                field = cause.field  # a key inside the field, e.g. options.steps
+            elif field == "(body)" and named.split(".", 1)[0] in known_fields:
                 field = named  # a check across fields (e.g. audio or session) names its field first
         elif kind == "extra_forbidden":
             msg = f"unknown field {field!r}; remove it (allowed fields: {', '.join(known_fields)})"

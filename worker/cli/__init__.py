@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from worker.cli.helpfmt import DefaultsShown
+from worker.cli.options import add_option_argument, options_of
 
 if TYPE_CHECKING:
 
@@ -103,11 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", help="model preset (default: the server's, 'tiny')")
     p.add_argument("--priority", type=int, help="0 (lowest) to 9 (highest)")
     p.add_argument("--idempotency-key", help="resubmitting with the same key returns the same job")
+    add_option_argument(p)
     p.add_argument(
         "--spec",
         type=Path,
         metavar="FILE",
-        help="JSON file with further spec fields (output, preview, ...); command-line options override it",
+        help="JSON file with further spec fields (output, preview, options, ...); command-line options "
+        "override it (--option per key)",
     )
     p.add_argument("--wait", action="store_true", help="then wait for the job, with a progress bar")
     p.add_argument("--json", action="store_true", help="print the job as JSON")
@@ -353,8 +356,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
                 )
             spec.pop(field, None)
             uploads[field] = path
+    options = options_of(args.options)
     with _client(args) as client:
-        job = client.submit(spec, image=uploads.get("image"), audio=uploads.get("audio"))
+        job = client.submit(spec, image=uploads.get("image"), audio=uploads.get("audio"), options=options)
         if args.json:
             _print_job(job, as_json=True)
         else:

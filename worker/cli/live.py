@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from worker.cli.options import add_option_argument, options_of
 from worker.spec import SESSION_IDLE_DEFAULT_S, SESSION_SAMPLE_RATES
 
 STEP_S = 0.1
@@ -48,6 +49,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
     p.add_argument("--seed", type=int, help="seed (>= 0)")
     p.add_argument("--preset", help="model preset (default: the server's)")
     p.add_argument("--text", help="text/scene prompt")
+    add_option_argument(p)
     return p
 
 
@@ -138,6 +140,7 @@ def cmd_live(args: argparse.Namespace, *, api: str, token: str) -> int:
 
     from worker.client import LongtakeClient
 
+    options = options_of(args.options)  # a repeated key is a usage error before any audio is read
     if args.audio_from == "-":
         rate, channels, blocks = read_stdin(sys.stdin.buffer, args.rate, args.channels)
     else:
@@ -157,7 +160,7 @@ def cmd_live(args: argparse.Namespace, *, api: str, token: str) -> int:
         if not image.is_file():
             raise FileNotFoundError(f"--image {args.image}: no such file; give a local file or a URI")
     with LongtakeClient(api, token) as client:
-        job = client.submit(spec, image=image)
+        job = client.submit(spec, image=image, options=options)
         print(f"{job.id}  session at {rate} Hz, {channels} channel(s)", flush=True)
         url = client.preview_url(job.id)
         if url:

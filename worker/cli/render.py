@@ -35,6 +35,7 @@ from pipeline.probe import probe_audio
 from pipeline.request import MAX_TEXT_CHARS, RenderRequest
 from pipeline.sinks import PARTIAL_SUFFIX
 from worker.cli.helpfmt import DefaultsShown
+from worker.cli.options import add_option_argument, options_of
 
 if TYPE_CHECKING:
     from pipeline.request import RenderResult
@@ -95,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "folder holding the downloads side by side (docs/wan.md)")
     p.add_argument("--model", default=None,
                    help="a model name the operator configured (LONGTAKE_MODELS) instead of --weights")
+    add_option_argument(p)
     p.add_argument("--mode", choices=["streaming", "batch"], default="streaming",
                    help="streaming or the conventional batch baseline")
     p.add_argument("--threads", type=_positive_int, default=None,
@@ -121,12 +123,19 @@ _IMPORTED_AT = time.time()
 
 def _request(args: argparse.Namespace) -> RenderRequest:
     """The request of the parsed arguments: the family's default preset when none is given;
-    ``--model NAME`` looked up in ``Settings.models`` (``--text`` is the wan family's prompt).
+    ``--model NAME`` looked up in ``Settings.models`` (``--text`` is the wan family's prompt);
+    ``--option`` checked by the family for the preset (``ModelFamily.options``, as ``render()`` will).
     Torch-free (the family registry loads no models)."""
     from pipeline.families import FAMILIES
 
     family = FAMILIES.get(args.family)
     preset = args.preset or family.default_preset
+    try:
+        options = options_of(args.options)
+    except ValueError as exc:
+        raise InvalidInputError(str(exc), field="options") from exc
+    if options:
+        family.options(family.preset(preset), options)  # a bad one fails here, before torch loads
     checkpoint = args.checkpoint
     if args.model is not None:
         if checkpoint is not None:
@@ -135,7 +144,7 @@ def _request(args: argparse.Namespace) -> RenderRequest:
 
         checkpoint = Settings().model_weights(args.model)
     return RenderRequest(image=args.image, audio=args.audio, text=args.text, seed=args.seed,
-                         family=family.name, preset=preset, checkpoint=checkpoint)
+                         family=family.name, preset=preset, checkpoint=checkpoint, options=options)
 
 
 def check_inputs(args: argparse.Namespace) -> tuple[Path, Path | None, int, RenderRequest]:

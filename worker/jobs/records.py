@@ -15,7 +15,7 @@ from typing import Literal, overload
 from pydantic import BaseModel, ConfigDict
 
 from worker.jobs.tables import JobRow
-from worker.spec import JobSpec
+from worker.spec import STORED_KEY, JobSpec
 
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 
@@ -97,7 +97,8 @@ def record_of(row: JobRow) -> JobRecord:
         id=row.id,
         tenant=row.tenant,
         status=row.status,  # type: ignore[arg-type]
-        spec=JobSpec.model_validate(row.spec),
+        # the row's spec as submitted: options a newer family refuses fail the render, not the read
+        spec=JobSpec.model_validate(row.spec, context={STORED_KEY: True}),
         priority=row.priority,
         idempotency_key=row.idempotency_key,
         attempts=row.attempts,

@@ -335,6 +335,7 @@ class JobWorker:
             family=rec.spec.family,
             preset=rec.spec.preset,
             checkpoint=s.model_weights(rec.spec.model),
+            options=dict(rec.spec.options),  # render() checks them again, for the preset it loads
             use_i_chunks=session is None or session.latency == "default",
             live=session is not None,
         )
