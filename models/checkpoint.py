@@ -98,6 +98,12 @@ def save_checkpoint(
     os.replace(tmp, path)
 
 
+# Key prefixes of parts a module gained after checkpoints of it were shipped. Each starts as a no-op
+# (its output layer is zero), so the trainers warm-start from, and assemble on top of, an older file
+# with ``allow_missing=GROWN_PARTS``; inference loads stay strict.
+GROWN_PARTS: tuple[str, ...] = ("sr.ref_window.",)
+
+
 def load_checkpoint(
     modules: dict[str, nn.Module],
     path: str | os.PathLike[str],
@@ -105,6 +111,7 @@ def load_checkpoint(
     key_map: Callable[[str], str] | None = None,
     strict: bool = True,
     preset: str | None = None,
+    allow_missing: tuple[str, ...] = (),
 ) -> dict[str, str]:
     """Load the modules' weights from ``path``; returns the file's metadata.
 
@@ -113,6 +120,9 @@ def load_checkpoint(
     ``strict=False`` tolerates missing and unexpected keys (never shape mismatches).
     ``preset``: the file's metadata must name this preset (checked before any tensor is read, so a
     checkpoint of another preset is named as such instead of failing as a shape mismatch).
+    ``allow_missing``: key prefixes (``"sr.ref_window."``) the file may lack while everything else stays
+    strict; those parameters keep the module's own values. For warm-starting a module that grew a part
+    since the file was written (the part must start as a no-op, as ``SRDiT.ref_window`` does).
     """
     path = Path(path)
     if not path.is_file():
@@ -166,6 +176,7 @@ def load_checkpoint(
             per_module[prefix][rest] = tensor
     for name, sd in expected.items():
         missing.extend(f"{name}.{k}" for k in sd if k not in per_module[name])
+    missing = [k for k in missing if not k.startswith(allow_missing)]
 
     problems = []
     if mismatched:

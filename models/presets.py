@@ -51,6 +51,11 @@ class SRConfig:
     num_heads: int
     ffn_dim: int
     patch_size: int  # spatial patch on the hr latent (also used for the reference tokens)
+    # Full-resolution reference attention after the transformer (``models.sr.ReferenceWindowAttention``):
+    # every hr latent cell attends to the reference's cells within +-ref_window_radius cells; 0 = none.
+    ref_window_radius: int = 0
+    ref_window_dim: int = 32  # query/key/value width of that attention (its heads are 16 wide)
+    ref_window_hidden: int = 64  # width of the conv that turns what it read into a latent residual
     rope_theta: float = 10000.0
     eps: float = 1e-6
 
@@ -219,7 +224,8 @@ def _tiny() -> ModelPreset:
             text_dim=text.dim,
             freq_dim=128,
         ),
-        sr=SRConfig(channels=c, scale=2, dim=128, num_layers=4, num_heads=4, ffn_dim=384, patch_size=4),
+        sr=SRConfig(channels=c, scale=2, dim=128, num_layers=4, num_heads=4, ffn_dim=384, patch_size=4,
+                    ref_window_radius=2),
         vae=VAEConfig(
             image_channels=3,
             latent_channels=c,

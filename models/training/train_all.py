@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from models.checkpoint import build_modules, load_checkpoint, save_checkpoint
+from models.checkpoint import GROWN_PARTS, build_modules, load_checkpoint, save_checkpoint
 from models.presets import ModelPreset, get_preset
 from models.training.common import (
     DEFAULT_CACHE,
@@ -83,7 +83,7 @@ def chain_decoder(preset: ModelPreset, cache_dir: Path, minutes: float, seed: in
     if sr_state.is_file():
         sr.load_state_dict(torch.load(sr_state, map_location="cpu", weights_only=False)["modules"]["ema_sr"])
     elif base is not None:
-        load_checkpoint({"sr": sr}, base, preset=preset.name)
+        load_checkpoint({"sr": sr}, base, preset=preset.name, allow_missing=GROWN_PARTS)
     else:
         raise FileNotFoundError(f"{sr_state} does not exist: train the SR first (train_sr), or pass --from "
                                 "CHECKPOINT to fine-tune the decoder on that checkpoint's SR")
@@ -123,7 +123,8 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
     ``a2v_state.pt``: A2V and audio; no ``sr_state.pt``: SR) keeps ``base``'s weights, and ``base``'s
     metadata for them is carried; without it every stage must have run."""
     mods = build_modules(preset, seed)
-    base_meta = load_checkpoint(mods, base, preset=preset.name) if base is not None else {}
+    base_meta = (load_checkpoint(mods, base, preset=preset.name, allow_missing=GROWN_PARTS)
+                 if base is not None else {})
     # the decoder stages, in order (same encoder weights): fine-tuned after the encoder froze, then on
     # SR outputs; the last one that ran holds the shipped VAE. Each state file is read once.
     vae_sd = None
@@ -168,7 +169,8 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
             mods["sr"].load_state_dict(blob["modules"]["ema_sr"])
             trained.update({"sr_steps": str(st.step), "sr_minutes": f"{st.elapsed_s / 60:.1f}",
                             "sr_eval_l1": f"{st.extra.get('eval_l1', float('nan')):.4f}",
-                            "sr_detail_weight": f"{st.extra.get('detail_weight', 0.0):g}"})
+                            "sr_detail_weight": f"{st.extra.get('detail_weight', 0.0):g}",
+                            "sr_feature_blur": f"{st.extra.get('feature_blur', 0.0):g}"})
             if st.init_from:
                 trained["sr_init_from"] = st.init_from
     reused = cache_dir / "vae_reused.json"

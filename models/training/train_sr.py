@@ -5,7 +5,9 @@ Input ``to_lowres(z)`` of a frame, corrupted by Gaussian noise of random strengt
 low-res latents come from the A2V sampler, not from the encoder), target ``z``; reference = the
 identity's neutral frame latent. Loss: L1 in latent space, each cell weighted by its distance to the
 reference's (``train_a2v.change_weights``: the mouth is a few cells of the frame). Frames are independent (SR is per frame),
-so a batch is a random set of frames of random clips.
+so a batch is a random set of frames of random clips. ``--feature-blur P`` washes the face's small
+features out of the low-res input of a share P of each batch (:func:`blur_features`), as the A2V's
+latents lose them, so the SR learns to take them from the reference (issue 15).
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import logging
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-from models.checkpoint import build_modules
+from models.checkpoint import GROWN_PARTS, build_modules
 from models.presets import ModelPreset, get_preset
 from models.sr import SRDiT
 from models.training.common import (
@@ -31,22 +34,44 @@ from models.training.common import (
     warm_start,
 )
 from models.training.data import LatentClips
-from models.training.train_a2v import EMA, change_weights, lowres
+from models.training.train_a2v import EMA, box_cover, change_weights, lowres
 
 log = logging.getLogger(__name__)
 
 
-def sr_batch(clips: LatentClips, lr_all: torch.Tensor, gen: torch.Generator, size: int, noise: float
+def blur_features(lr_BChw: torch.Tensor, detail_BHW: torch.Tensor, mouth_box_B4: torch.Tensor, strength_B: torch.Tensor,
+                  cell_px: float) -> torch.Tensor:
+    """The low-res latents with the face's small features washed out, as the A2V's own latents lose them
+    (issue 15: glasses present in 67 % of frames after encode -> lowres -> SR, 33 % after the A2V): each
+    cell moves towards its 5x5 neighbourhood mean by ``strength`` x 4 x its feature coverage (capped at
+    1: the features are thin lines, so a cell a quarter covered is washed out fully), except the mouth
+    box's cells, whose state only the low-res latent knows (the reference's mouth is shut)."""
+    f = detail_BHW.shape[-1] // lr_BChw.shape[-1]  # hr cells per low-res cell, per side
+    cover = F.avg_pool2d(detail_BHW[:, None], f)  # (B, 1, h, w)
+    mouth = box_cover(mouth_box_B4[:, None], lr_BChw.shape[-2], lr_BChw.shape[-1], cell_px)  # (B, 1, h, w)
+    m = (4 * cover).clamp(0, 1) * (1 - mouth) * strength_B[:, None, None, None]
+    smooth = F.avg_pool2d(lr_BChw, 5, stride=1, padding=2, count_include_pad=False)
+    return lr_BChw + m * (smooth - lr_BChw)
+
+
+def sr_batch(clips: LatentClips, lr_all: torch.Tensor, gen: torch.Generator, size: int, noise: float,
+             feature_blur: float = 0.0, cell_px: float = 16.0
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(lr input (B, C, 1, h, w) with noise, hr target (B, C, 1, H, W), ref (B, C, H, W), the cells'
-    detail coverage (B, 1, H, W) or None when the cache has none)."""
+    detail coverage (B, 1, H, W) or None when the cache has none). ``feature_blur`` > 0: that share of
+    the batch gets :func:`blur_features` at a random strength (``cell_px``: a low-res cell in pixels)."""
     idx = torch.randint(clips.num_clips, (size,), generator=gen)
     fr = torch.randint(clips.clip_frames, (size,), generator=gen)
     hr = clips.hr[idx, fr][:, :, None]
     lr = lr_all[idx, fr][:, :, None]
     sig = torch.rand(size, 1, 1, 1, 1, generator=gen) * noise
     detail = None if clips.detail is None else clips.detail[idx, fr][:, None]
-    return lr + sig * torch.randn(lr.shape, generator=gen), hr, clips.ref[idx], detail
+    lr = lr + sig * torch.randn(lr.shape, generator=gen)
+    if feature_blur > 0.0:
+        assert clips.detail is not None and clips.mouth_box is not None  # train_sr checks the cache
+        strength = torch.rand(size, generator=gen) * (torch.rand(size, generator=gen) < feature_blur)
+        lr = blur_features(lr[:, :, 0], clips.detail[idx, fr], clips.mouth_box[idx, fr], strength, cell_px)[:, :, None]
+    return lr, hr, clips.ref[idx], detail
 
 
 @torch.no_grad()
@@ -59,14 +84,16 @@ def sr_eval(sr: SRDiT, clips: LatentClips, lr_all: torch.Tensor, count: int = 64
 def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes: float, seed: int = 0,
              batch: int = 16, lr: float = 1e-3, noise: float = 0.15, log_every: int = 20,
              save_every_s: float = 120.0, threads: int | None = None, detail_weight: float = 0.0,
-             init_from: Path | None = None) -> dict[str, float]:
+             feature_blur: float = 0.0, init_from: Path | None = None) -> dict[str, float]:
     """Train (or resume) until ``minutes`` of wall time in total; returns final figures.
 
     ``init_from``: a fresh run starts from that checkpoint's SR (its EMA weights) instead of bilinear
     upsampling (:func:`~models.training.common.warm_start`).
 
     ``detail_weight`` > 0 multiplies each cell's change weight by ``1 + detail_weight * coverage`` of
-    the face's small features (the latent cache's ``detail``; issue 15)."""
+    the face's small features (the latent cache's ``detail``; issue 15). ``feature_blur`` > 0: that share
+    of each batch has its features washed out of the low-res input (:func:`blur_features`), so the SR
+    learns to restore them from the reference."""
     if threads:
         torch.set_num_threads(threads)
     sr = build_modules(preset, seed)["sr"]
@@ -81,18 +108,22 @@ def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes:
     if detail_weight > 0.0 and clips.detail is None:
         raise ValueError(f"detail_weight={detail_weight}: the latent cache in {cache_dir} has no detail maps "
                          "(written before they were kept); delete it and build it again (train_all --stage cache)")
+    if feature_blur > 0.0 and (clips.detail is None or clips.mouth_box is None):
+        raise ValueError(f"feature_blur={feature_blur}: the latent cache in {cache_dir} has no detail maps or mouth "
+                         "boxes (written before they were kept); delete it and build it again (train_all --stage cache)")
+    cell_px = float(preset.vae_factor * preset.lowres_factor)
     lr_all = lowres(clips.hr, preset.lowres_factor)  # (N, T, C, h, w)
     budget = Budget(minutes, st.elapsed_s)
     losses = LossLog(state_path.with_suffix(".jsonl"), "sr")
     if "bilinear_l1" not in st.extra:
         st.extra["bilinear_l1"] = sr_eval(sr, clips, lr_all) if st.step == 0 else float("nan")
-    if init_from is not None and warm_start({"sr": sr}, init_from, preset.name, st):
+    if init_from is not None and warm_start({"sr": sr}, init_from, preset.name, st, allow_missing=GROWN_PARTS):
         ema = EMA({"sr": sr})  # the average starts at the loaded weights, not at bilinear upsampling
         st.extra["init_l1"] = sr_eval(sr, clips, lr_all)
     last_save = budget.elapsed_s
     while not budget.done():
         gen = step_generator(seed, st.step, 2)
-        x, y, ref, detail = sr_batch(clips, lr_all, gen, batch, noise)
+        x, y, ref, detail = sr_batch(clips, lr_all, gen, batch, noise, feature_blur, cell_px)
         for g in opt.param_groups:
             g["lr"] = cosine_lr(lr, budget.fraction)
         w = change_weights(y, ref)  # (B, 1, H, W)
@@ -114,6 +145,7 @@ def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes:
             last_save = budget.elapsed_s
     st.elapsed_s = budget.elapsed_s
     st.extra["detail_weight"] = detail_weight
+    st.extra["feature_blur"] = feature_blur
     st.extra["eval_l1"] = sr_eval(ema.shadow["sr"], clips, lr_all)
     log.info("sr: eval L1 %.4f (bilinear start %.4f) after %d steps", st.extra["eval_l1"],
              st.extra["bilinear_l1"], st.step)
@@ -130,12 +162,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--detail-weight", type=float, default=0.0,
                    help="extra loss weight on latent cells showing the face's small features (issue 15)")
+    p.add_argument("--feature-blur", type=float, default=0.0,
+                   help="share of each batch whose low-res input has the face's features washed out (issue 15)")
     p.add_argument("--from", dest="from_checkpoint", type=Path, default=None,
                    help="start from this checkpoint's SR (a fresh state file only)")
     a = p.parse_args(argv)
     setup_logging(a.cache_dir / "train.log")
     out = train_sr(get_preset(a.preset), a.cache_dir / "latents", a.cache_dir / "sr_state.pt", minutes=a.minutes,
-                   seed=a.seed, threads=a.threads, detail_weight=a.detail_weight, init_from=a.from_checkpoint)
+                   seed=a.seed, threads=a.threads, detail_weight=a.detail_weight,
+                   feature_blur=a.feature_blur, init_from=a.from_checkpoint)
     log.info("sr done: %s", out)
     return 0
 

@@ -18,7 +18,7 @@ from models.dit import A2VDiT
 from models.layers import count_parameters
 from models.presets import PRESETS, ModelPreset, get_preset
 from models.sampler import FlowMatchEulerSampler
-from models.sr import SRDiT
+from models.sr import ReferenceWindowAttention, SRDiT
 from models.text import TextEncoder
 
 
@@ -139,6 +139,50 @@ def test_sr_frames_are_independent(mods: dict[str, torch.nn.Module], preset: Mod
     with torch.no_grad():  # the reference matters (identity-aware)
         other = sr(lr[1:, :, 3:4], ref[:1])
     assert (other - one).abs().max() > 1e-4
+
+
+def _window_attention_by_hand(win: ReferenceWindowAttention, z: Tensor, ref: Tensor) -> Tensor:
+    """The window step written cell by cell: softmax over the window's cells inside the latent only."""
+    N, C, H, W = z.shape
+    B, r, heads, hd = ref.shape[0], win.radius, win.num_heads, win.HEAD_DIM
+    q = win.q(z) / hd**0.5
+    k, v = win.kv(ref).chunk(2, dim=1)
+    read = torch.zeros(N, win.dim, H, W)
+    for n in range(N):
+        b = n // (N // B)
+        for y in range(H):
+            for x in range(W):
+                cells = [(i, y + dy - r, x + dx - r) for i, (dy, dx) in
+                         enumerate((dy, dx) for dy in range(2 * r + 1) for dx in range(2 * r + 1))
+                         if 0 <= y + dy - r < H and 0 <= x + dx - r < W]
+                for h in range(heads):
+                    sl = slice(h * hd, (h + 1) * hd)
+                    logits = torch.stack([(q[n, sl, y, x] * k[b, sl, yy, xx]).sum() + win.pos_bias[h, i]
+                                          for i, yy, xx in cells])
+                    w = logits.softmax(0)
+                    read[n, sl, y, x] = sum(w[j] * v[b, sl, yy, xx] for j, (_, yy, xx) in enumerate(cells))
+    return z + win.out(torch.nn.functional.gelu(win.out_in(torch.cat([read, z], dim=1))))
+
+
+def test_sr_reference_window_reads_the_reference_near_each_cell(preset: ModelPreset) -> None:
+    cfg = preset.sr
+    assert cfg.ref_window_radius == 2  # the tiny preset's SR reads the reference at full latent resolution
+    torch.manual_seed(5)
+    win = ReferenceWindowAttention(cfg.channels, 32, 16, radius=2).eval()
+    C = cfg.channels
+    z, ref = torch.randn(4, C, 7, 6), torch.randn(2, C, 7, 6)  # 2 references x 2 frames each
+    with torch.no_grad():
+        assert torch.equal(win(z, ref), z)  # starts as a no-op (its last conv is zero)
+        torch.nn.init.normal_(win.out.weight, std=0.1)
+        torch.nn.init.normal_(win.pos_bias, std=2.0)
+        out = win(z, ref)
+        torch.testing.assert_close(out, _window_attention_by_hand(win, z, ref), atol=1e-5, rtol=0)
+        # a reference cell reaches an output cell only within radius + 3 (the k/v conv, the two out convs)
+        ref2 = ref.clone()
+        ref2[:, :, 0, 0] += 5.0
+        moved = (win(z, ref2) - out).abs().amax(dim=(0, 1))  # (H, W)
+    assert float(moved[:6, :6].max()) > 1e-3
+    assert float(moved[6:].max()) == 0.0  # rows 6.. are more than 5 cells from (0, 0)
 
 
 # ---------------------------------------------------------------- DiT
@@ -292,6 +336,18 @@ def test_checkpoint_errors(tmp_path: Path, preset: ModelPreset, mods: dict[str, 
         load_checkpoint(mods, no_head)
     load_checkpoint({"sr": build_modules(preset)["sr"]}, no_head)  # not asked for: fine
     load_checkpoint(build_modules(preset), no_head, strict=False)
+    # allow_missing: a file from before a module grew a part (the SR's reference window) warm-starts
+    # it; the part keeps its init, every other key stays strict
+    no_window = write("no_window.safetensors", {k: v for k, v in tensors.items() if not k.startswith("sr.ref_window.")})
+    grown = build_modules(preset, seed=3)
+    init_window = grown["sr"].state_dict()["ref_window.q.weight"].clone()
+    load_checkpoint(grown, no_window, allow_missing=("sr.ref_window.",))
+    assert torch.equal(grown["sr"].state_dict()["ref_window.q.weight"], init_window)
+    assert torch.equal(grown["sr"].head.weight, mods["sr"].head.weight)
+    with pytest.raises(CheckpointError, match=r"missing key.*sr\.ref_window\."):
+        load_checkpoint(grown, no_window)
+    with pytest.raises(CheckpointError, match=r"missing key.*a2v\.head\.weight"):
+        load_checkpoint(mods, no_head, allow_missing=("sr.ref_window.",))
 
     extra = write("extra.safetensors", {**tensors, "vae.decoder.bogus": torch.zeros(2)})
     with pytest.raises(CheckpointError, match=r"unexpected key.*vae\.decoder\.bogus"):

@@ -18,7 +18,7 @@ from models.training.common import load_state, step_generator
 from models.training.data import DETAIL_REGIONS, FrameSampler, LatentClips, build_latent_cache
 from models.training.train_a2v import A2VBatcher, train_a2v
 from models.training.train_all import assemble_checkpoint, chain_decoder, final_vae
-from models.training.train_sr import train_sr
+from models.training.train_sr import blur_features, train_sr
 from models.training.train_vae import (
     finalize_vae,
     pixel_weight,
@@ -199,6 +199,21 @@ def test_box_cover_is_the_boxs_share_of_each_cell() -> None:
     assert float(box_cover(box, 16, 16, 16.0).sum()) * 256 == pytest.approx(800.0)
 
 
+def test_blur_features_washes_out_the_features_but_not_the_mouth() -> None:
+    torch.manual_seed(0)
+    lr = torch.randn(2, 8, 4, 4)  # low-res cells of 16 px over 32-px hr latent maps of 8-px cells
+    detail = torch.zeros(2, 8, 8)
+    detail[:, 0:2, 0:2] = 0.25  # low-res cell (0, 0) a quarter covered by a feature: fully washed at strength 1
+    detail[:, 6:8, 6:8] = 0.5  # cell (3, 3): a feature inside the mouth box below, left alone
+    mouth = torch.tensor([[48.0, 48.0, 64.0, 64.0]] * 2)
+    out = blur_features(lr, detail, mouth, torch.tensor([1.0, 0.0]), cell_px=16.0)
+    smooth = torch.nn.functional.avg_pool2d(lr, 5, stride=1, padding=2, count_include_pad=False)
+    torch.testing.assert_close(out[0, :, 0, 0], smooth[0, :, 0, 0])
+    changed = (out - lr).abs().amax(dim=1)
+    assert float(changed[0].flatten()[1:].max()) == 0.0  # every other cell, the mouth's included, as it was
+    assert torch.equal(out[1], lr[1])  # strength 0
+
+
 def test_a2v_and_sr_train_resume_and_assemble(cache: Path) -> None:
     p = small_preset()
     a1 = train_a2v(p, cache / "latents", cache / "a2v_state.pt", minutes=0.05, batch_n=2, batch_i=4, log_every=2)
@@ -227,6 +242,13 @@ def test_a2v_and_sr_train_resume_and_assemble(cache: Path) -> None:
     torch.save(blob, old / "shard_0000.pt")
     with pytest.raises(ValueError, match="no detail maps.*build it again"):
         train_sr(p, old, cache / "sr_old_state.pt", minutes=0.01, detail_weight=8.0)
+    with pytest.raises(ValueError, match="feature_blur=0.5.*no detail maps or mouth boxes.*build it again"):
+        train_sr(p, old, cache / "sr_old_state.pt", minutes=0.01, feature_blur=0.5)
+    sb = train_sr(p, cache / "latents", cache / "sr_blur_state.pt", minutes=0.02, batch=8, log_every=1,
+                  feature_blur=1.0)
+    assert sb["feature_blur"] == 1.0  # same seed, batch and init as the plain run: only the input differs
+    assert _first_logged_loss(cache / "sr_state.pt") != pytest.approx(_first_logged_loss(cache / "sr_blur_state.pt"),
+                                                                        rel=1e-3)
     with pytest.raises(ValueError, match="mouth_weight=6.0.*no mouth boxes.*--stage cache"):
         train_a2v(p, old, cache / "a2v_old_state.pt", minutes=0.01, mouth_weight=6.0)
     # the VAE state the checkpoint reads (normally written by train_vae)
@@ -367,6 +389,45 @@ def test_a2v_and_sr_warm_start_from_a_shipped_checkpoint(cache: Path, tmp_path: 
     assert meta["sr_init_from"] == "base.safetensors (git abc, sr_steps 5)"
     assert meta["a2v_steps"] == str(again["steps"]) and meta["sr_steps"] == str(s["steps"])
     assert meta["vae_chain_steps"] == "2"  # no decoder stage ran: the reused decoder's figures stay
+
+
+def test_sr_warm_starts_from_a_checkpoint_written_before_its_reference_window(cache: Path, tmp_path: Path) -> None:
+    """A file without ``sr.ref_window.*`` (the fourth checkpoint) warm-starts the SR and serves as an
+    assembly base: the window starts as a no-op, so the SR computes what the file's SR computed."""
+    from safetensors.torch import load_file, save_file
+
+    from models.checkpoint import save_checkpoint
+    from models.training.train_all import reuse_vae
+
+    p = small_preset()
+    base_mods = build_modules(p, seed=3)
+    full = tmp_path / "full.safetensors"
+    save_checkpoint(base_mods, full, metadata={"preset": "tiny"})
+    old = tmp_path / "old.safetensors"
+    save_file({k: v for k, v in load_file(str(full)).items() if not k.startswith("sr.ref_window.")}, str(old),
+              metadata={"preset": "tiny"})
+    with pytest.raises(CheckpointError, match=r"missing key.*sr\.ref_window\."):
+        load_checkpoint(build_modules(p), old)  # inference loads stay strict
+    run = tmp_path / "run"
+    reuse_vae(p, run, old)
+    (run / "latents").symlink_to(cache / "latents")
+    train_sr(p, run / "latents", run / "sr_state.pt", minutes=0.0, init_from=old)
+    sr = build_modules(p, seed=0)["sr"].eval()
+    sr.load_state_dict(torch.load(run / "sr_state.pt", weights_only=False)["modules"]["ema_sr"])
+    without = dataclasses.replace(p.sr, ref_window_radius=0)
+    from models.sr import SRDiT
+
+    plain = SRDiT(without).eval()
+    plain.load_state_dict({k: v for k, v in base_mods["sr"].state_dict().items() if not k.startswith("ref_window.")})
+    lr, ref = torch.randn(2, p.latent_channels, 3, *p.lr_latent_hw), torch.randn(2, p.latent_channels, *p.hr_latent_hw)
+    with torch.no_grad():
+        assert torch.equal(sr(lr, ref), plain(lr, ref))
+    (run / "sr_state.pt").unlink()  # no SR trained: assembly keeps the base's, window at its no-op init
+    assemble_checkpoint(p, run, tmp_path / "new.safetensors", seed=0, base=old)
+    again = build_modules(p, seed=5)["sr"].eval()
+    load_checkpoint({"sr": again}, tmp_path / "new.safetensors")
+    with torch.no_grad():
+        assert torch.equal(again(lr, ref), plain(lr, ref))
 
 
 def test_the_scored_pipeline_follows_the_chunk_plan(tmp_path: Path) -> None:
