@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from models.checkpoint import load_checkpoint
+from models.checkpoint import GROWN_PARTS, load_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -96,23 +96,22 @@ def load_state(path: Path, modules: dict[str, nn.Module], opt: torch.optim.Optim
     return st
 
 
-def warm_start(modules: dict[str, nn.Module], checkpoint: Path, preset: str, state: TrainState, *,
-               allow_missing: tuple[str, ...] = ()) -> bool:
+def warm_start(modules: dict[str, nn.Module], checkpoint: Path, preset: str, state: TrainState) -> bool:
     """Start a fresh run from a shipped checkpoint's weights instead of the seeded init.
 
     ``modules`` maps checkpoint module names (``a2v``, ``audio``, ``sr``) to the modules to fill; the
     checkpoint must be of ``preset``. Records where the run began in ``state.init_from`` (carried into
     the assembled checkpoint's metadata). Returns whether it loaded weights (False: ``state`` is a
     resumed run that began from this checkpoint, its own weights stand). Raises on a resumed state
-    that began elsewhere: resuming is never silently re-initialised. ``allow_missing``: key prefixes of
-    parts the checkpoint predates, left at their (no-op) init (``load_checkpoint``)."""
+    that began elsewhere: resuming is never silently re-initialised. Parts a module gained after the
+    file was written (``models.checkpoint.GROWN_PARTS``) keep their no-op init."""
     if state.step > 0:
         if not state.init_from.startswith(f"{checkpoint.name} "):
             raise ValueError(f"--from {checkpoint}: the training state to resume (step {state.step}) began from "
                              f"{state.init_from or 'the seeded init'}; drop --from to resume it, or delete the "
                              "state file to start over from the checkpoint")
         return False
-    meta = load_checkpoint(modules, checkpoint, preset=preset, allow_missing=allow_missing)
+    meta = load_checkpoint(modules, checkpoint, preset=preset, allow_missing=GROWN_PARTS)
     steps = ", ".join(f"{m}_steps {meta[f'{m}_steps']}" for m in modules if f"{m}_steps" in meta)
     state.init_from = f"{checkpoint.name} (git {meta.get('git_commit', '?')}{', ' + steps if steps else ''})"
     log.info("warm start from %s: %s", checkpoint, state.init_from)

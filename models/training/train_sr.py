@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from models.checkpoint import GROWN_PARTS, build_modules
+from models.checkpoint import build_modules
 from models.presets import ModelPreset, get_preset
 from models.sr import SRDiT
 from models.training.common import (
@@ -68,9 +68,9 @@ def sr_batch(clips: LatentClips, lr_all: torch.Tensor, gen: torch.Generator, siz
     detail = None if clips.detail is None else clips.detail[idx, fr][:, None]
     lr = lr + sig * torch.randn(lr.shape, generator=gen)
     if feature_blur > 0.0:
-        assert clips.detail is not None and clips.mouth_box is not None  # train_sr checks the cache
+        assert detail is not None and clips.mouth_box is not None  # train_sr checks the cache
         strength = torch.rand(size, generator=gen) * (torch.rand(size, generator=gen) < feature_blur)
-        lr = blur_features(lr[:, :, 0], clips.detail[idx, fr], clips.mouth_box[idx, fr], strength, cell_px)[:, :, None]
+        lr = blur_features(lr[:, :, 0], detail[:, 0], clips.mouth_box[idx, fr], strength, cell_px)[:, :, None]
     return lr, hr, clips.ref[idx], detail
 
 
@@ -117,7 +117,7 @@ def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes:
     losses = LossLog(state_path.with_suffix(".jsonl"), "sr")
     if "bilinear_l1" not in st.extra:
         st.extra["bilinear_l1"] = sr_eval(sr, clips, lr_all) if st.step == 0 else float("nan")
-    if init_from is not None and warm_start({"sr": sr}, init_from, preset.name, st, allow_missing=GROWN_PARTS):
+    if init_from is not None and warm_start({"sr": sr}, init_from, preset.name, st):
         ema = EMA({"sr": sr})  # the average starts at the loaded weights, not at bilinear upsampling
         st.extra["init_l1"] = sr_eval(sr, clips, lr_all)
     last_save = budget.elapsed_s
