@@ -146,6 +146,7 @@ def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes:
     st.elapsed_s = budget.elapsed_s
     st.extra["detail_weight"] = detail_weight
     st.extra["feature_blur"] = feature_blur
+    st.extra["lr"] = lr
     st.extra["eval_l1"] = sr_eval(ema.shadow["sr"], clips, lr_all)
     log.info("sr: eval L1 %.4f (bilinear start %.4f) after %d steps", st.extra["eval_l1"],
              st.extra["bilinear_l1"], st.step)
@@ -160,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-3,
+                   help="peak learning rate of the cosine schedule (a continuation of a trained SR: lower)")
     p.add_argument("--detail-weight", type=float, default=0.0,
                    help="extra loss weight on latent cells showing the face's small features (issue 15)")
     p.add_argument("--feature-blur", type=float, default=0.0,
@@ -169,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     setup_logging(a.cache_dir / "train.log")
     out = train_sr(get_preset(a.preset), a.cache_dir / "latents", a.cache_dir / "sr_state.pt", minutes=a.minutes,
-                   seed=a.seed, threads=a.threads, detail_weight=a.detail_weight,
+                   seed=a.seed, lr=a.lr, threads=a.threads, detail_weight=a.detail_weight,
                    feature_blur=a.feature_blur, init_from=a.from_checkpoint)
     log.info("sr done: %s", out)
     return 0

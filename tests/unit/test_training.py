@@ -229,8 +229,8 @@ def test_a2v_and_sr_train_resume_and_assemble(cache: Path) -> None:
     s1 = train_sr(p, cache / "latents", cache / "sr_state.pt", minutes=0.05, batch=8, log_every=1)
     assert s1["eval_l1"] < s1["bilinear_l1"]  # SR beats its bilinear starting point after a few steps
     sd = train_sr(p, cache / "latents", cache / "sr_detail_state.pt", minutes=0.02, batch=8, log_every=1,
-                  detail_weight=8.0)
-    assert sd["steps"] >= 1 and sd["detail_weight"] == 8.0
+                  detail_weight=8.0, lr=5e-4)
+    assert sd["steps"] >= 1 and sd["detail_weight"] == 8.0 and sd["lr"] == 5e-4
     # step 1's loss comes before any update (the learning rate follows wall time, later steps do not
     # repeat): same seed, batch and init as the plain run, so the weight alone can change it
     assert _first_logged_loss(cache / "sr_state.pt") != pytest.approx(_first_logged_loss(cache / "sr_detail_state.pt"),
@@ -269,7 +269,7 @@ def test_a2v_and_sr_train_resume_and_assemble(cache: Path) -> None:
     c = chain_decoder(p, cache, minutes=0.03, seed=0)
     assert c["steps"] >= 1 and 0 < c["heldout_psnr_db"] < 60
     meta = assemble_checkpoint(p, cache, out, seed=0)
-    assert meta["vae_chain_steps"] == str(c["steps"]) and meta["sr_detail_weight"] == "0"
+    assert meta["vae_chain_steps"] == str(c["steps"]) and meta["sr_detail_weight"] == "0" and meta["sr_lr"] == "0.001"
     assert meta["a2v_mouth_weight"] == "0"
     chained = torch.load(cache / "vae_chain_state.pt", weights_only=False)["modules"]["vae"]
     fresh = build_modules(p, seed=5)
