@@ -6,7 +6,8 @@ held-out identities, a short clip with the real pipeline (``render_fn``, default
 identity and audio, feeds both to a :class:`FidelityMeter` frame by frame, and reports each
 statistic as model / ground truth (:func:`ratios`, :func:`aggregate`). ``--sheet`` also writes a
 contact sheet (:func:`contact_sheet`). Everything reads final RGB frames only; what the generator
-knows (region masks, the reference, the reference without an accessory) defines where to look.
+knows (region masks, the reference, the reference without an accessory or with one it lacks)
+defines where to look.
 
 Definitions (per clip; all distances on 0-255, mean over RGB):
 
@@ -27,6 +28,22 @@ Definitions (per clip; all distances on 0-255, mean over RGB):
   the reference than to the reference drawn without that accessory (``FaceIdentity.without``);
   only pixels where the two differ by > 24 levels vote. The accessory is *visibly there* in a frame
   when >= 50 % of its pixels vote present; the presence rate is the fraction of such frames.
+* **false presence** ``false_A`` — the opposite error, for each accessory A the reference does *not*
+  wear: the counterfactuals are the reference drawn by the generator wearing A in each style it draws
+  A in (``ACCESSORY_STYLES`` via ``FaceIdentity.with_accessory``: glasses round or square in the 8
+  accent colours, gold or silver earrings, a hat in the 8 accent colours; fixed, not sampled). Per
+  style, the pixels A covers in that drawing (coverage >= 0.5) that differ from the reference by
+  > 24 levels vote *drawn* when the aligned frame is closer to that drawing than to the reference.
+  A is visibly there in a frame when >= 50 % of the votes of ANY one style say drawn (a hallucinated
+  accessory may have any colour: near-black rims are found by the black style only); a style with
+  fewer than 10 % of its pixels voting (drawn nearly in the colour beneath it) is left out. The rate
+  is the fraction of such frames; ``None`` for an accessory the reference wears. Ground truth's is 0
+  on every benchmark frame (20 held-out identities x 100), and on 20-frame clips of them blurred
+  (sigma 1.5 or 3), noised (sigma 20) or tinted +-15 levels (the worst frame: 48 % of one style's
+  votes), so no ratio is taken: the model's rate is reported beside truth's.
+  Limits: votes over low-contrast pixels (24-40 levels, e.g. silver earrings over a pale background)
+  tip on a light halo; rims drawn at another size than the generator's, or in a colour nearer the
+  skin than every style, are not counted.
 * **seam jump** — per frame, the head's displacement: the mean distance moved by the corners of the
   head's box between the fitted poses of frames t-1 and t (position, rotation and scale in pixels).
   ``seam_jump_score`` = mean displacement at the chunk seams / median elsewhere (as ``seam_score``),
@@ -37,7 +54,9 @@ Definitions (per clip; all distances on 0-255, mean over RGB):
   head's outline (what the pose fit cannot absorb).
 
 Ratios: model / ground truth, distances floored at 1.0 and 1 - SSIM at 0.01 first (ground truth is
-exactly 0 on the background), so ratio > 1 is worse except for presence (lower is worse).
+exactly 0 on the background), so ratio > 1 is worse except for presence (lower is worse). False
+presence has no ratio (ground truth's is 0): the rates themselves, model and truth, are aggregated
+over the identities that lack the accessory.
 """
 
 from __future__ import annotations
@@ -51,13 +70,15 @@ import numpy as np
 from PIL import Image
 
 from models.avatars.dataset import AvatarRenderer
-from models.avatars.face import ACCESSORIES, FaceRenderer, HeadPose
+from models.avatars.face import ACCESSORIES, ACCESSORY_STYLES, FaceRenderer, HeadPose
 
 DIST_REGIONS: tuple[str, ...] = ("skin", "eyes", "brows", "nose", "lips", "mouth", "hair", "glasses",
                                  "earrings", "hat", "background")
 EXPRESSION_REGIONS = ("lips", "mouth")  # compared with the reference redrawn at the frame's mouth
 VOTE_LEVELS = 24.0  # accessory pixels that vote: |with - without| above this (mean over RGB)
 VISIBLE_FRACTION = 0.5  # an accessory is visibly there when this fraction of its pixels votes present
+FALSE_STYLE_SHARE = 0.1  # a counterfactual style votes for false presence when this share of its pixels can
+# (the rest is nearly the colour beneath it: the generator's own drawing would hardly show there)
 BACKGROUND_MARGIN = 14  # px between the reference head and the background pixels scored
 DIST_FLOOR, DSSIM_FLOOR = 1.0, 0.01
 FIT_STEP_PX = 0.25  # the pose fit's finest pattern-search step at the head's edge (fit_pose)
@@ -111,7 +132,9 @@ def ratio_of_scores(values: np.ndarray, boundaries: Iterable[int], floor: float 
 @dataclass
 class FidelityMeter:
     """Per-clip fidelity statistics of one identity's frames; :meth:`add` per final frame (in
-    timeline order), then :meth:`summary`. Keeps sums and a few floats per frame, no frames.
+    timeline order), then :meth:`summary`. Keeps sums and a few floats per frame, no frames
+    (``false_fraction``: per accessory the reference lacks, the best style's share of pixels voting
+    drawn, per frame).
 
     ``renderer`` is the generator of the identity (reference, masks, counterfactuals); frames must be
     (size, size, 3) uint8 like its reference. :meth:`add` takes the frame's mouth opening and width
@@ -121,6 +144,7 @@ class FidelityMeter:
     pose_log: list[Pose] = field(default_factory=list)
     outline_change: list[float] = field(default_factory=list)
     visible: dict[str, list[bool]] = field(default_factory=dict)
+    false_fraction: dict[str, list[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         face = self.renderer.face
@@ -155,6 +179,28 @@ class FidelityMeter:
             px = self._masks[acc] & (np.abs(self._ref_crop - without).mean(axis=-1) > VOTE_LEVELS)
             self._votes[acc] = (px, self._ref_crop[px], without[px])
             self.visible[acc] = []
+        # false presence: the reference against itself drawn with each accessory it lacks, in every
+        # style the generator draws it in; one gather per frame over all styles' voting pixels
+        self._false: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+        flat_ref = self._ref_crop.reshape(-1, 3)
+        for acc in ACCESSORIES:
+            if acc in face.identity.accessories:
+                continue
+            idx, cf, counts = [], [], []
+            for style in range(len(ACCESSORY_STYLES[acc])):
+                drawn = FaceRenderer(face.identity.with_accessory(acc, style), n)
+                with_ = drawn.render(HeadPose()).astype(np.float32)[c]
+                cover = drawn.region_masks(HeadPose(), names=(acc,))[acc][c] >= 0.5
+                px = np.flatnonzero(cover & (np.abs(with_ - self._ref_crop).mean(axis=-1) > VOTE_LEVELS))
+                if px.size and px.size >= FALSE_STYLE_SHARE * cover.sum():
+                    idx.append(px)
+                    cf.append(with_.reshape(-1, 3)[px])
+                    counts.append(px.size)
+            if idx:
+                flat = np.concatenate(idx)
+                style_of = np.repeat(np.arange(len(idx)), counts)
+                self._false[acc] = (flat, np.concatenate(cf), flat_ref[flat], style_of, np.asarray(counts, np.float64))
+                self.false_fraction[acc] = []
         self._sums = {k: 0.0 for k in (*DIST_REGIONS, *(f"ssim_{r}" for r in DIST_REGIONS), "ssim_head")}
         self._counts = dict.fromkeys(self._sums, 0)
         self._prev_aligned: np.ndarray | None = None
@@ -247,6 +293,11 @@ class FidelityMeter:
             got = aligned[px]
             present = np.abs(got - with_).sum(axis=-1) < np.abs(got - without).sum(axis=-1)
             self.visible[acc].append(bool(present.mean() >= VISIBLE_FRACTION))
+        flat_aligned = aligned.reshape(-1, 3)
+        for acc, (flat, with_, without, style_of, counts) in self._false.items():
+            got = flat_aligned[flat]
+            closer = np.abs(got - with_).sum(axis=-1) < np.abs(got - without).sum(axis=-1)
+            self.false_fraction[acc].append(float((np.bincount(style_of, closer, len(counts)) / counts).max()))
         prev = self._prev_aligned
         self.outline_change.append(float(np.abs(aligned - prev)[self._band].mean()) if prev is not None else 0.0)
         self._prev_aligned = aligned
@@ -267,6 +318,9 @@ class FidelityMeter:
         for acc in ACCESSORIES:
             v = self.visible.get(acc)
             out[f"presence_{acc}"] = round(float(np.mean(v)), 4) if v else None
+        for acc in ACCESSORIES:
+            f = self.false_fraction.get(acc)
+            out[f"false_{acc}"] = round(float(np.mean(np.asarray(f) >= VISIBLE_FRACTION)), 4) if f else None
         disp = self.displacements()
         b = [x for x in boundaries if 0 < x < len(disp)]
         out["seam_jump_px"] = round(float(disp[b].mean()), 4) if b else None
@@ -281,8 +335,8 @@ def ratios(model: dict[str, float | int | None], truth: dict[str, float | int | 
     out: dict[str, float] = {}
     for k, m in model.items():
         g = truth.get(k)
-        if m is None or g is None or k == "frames" or k == "seam_jump_px":
-            continue
+        if m is None or g is None or k == "frames" or k == "seam_jump_px" or k.startswith("false_"):
+            continue  # false presence: ground truth's is ~0, so the rates themselves are reported
         if k.startswith("dist_"):
             out[k] = max(float(m), DIST_FLOOR) / max(float(g), DIST_FLOOR)
         elif k.startswith("ssim_"):
@@ -437,7 +491,8 @@ def run_fidelity(num_identities: int, seconds: float, seed: int, render_fn: Rend
             shown.append((f"held-out {k} ({', '.join(accs) or 'no accessories'})", gt.reference(), gt_frames,
                           [model_frames[t] for t in times if t < len(model_frames)]))
         if log_fn is not None:
-            log_fn(f"identity {ident} {accs}: {rows[-1]['ratio']}")
+            drawn = {k: v for k, v in model_s.items() if k.startswith("false_") and v}  # rates, not ratios
+            log_fn(f"identity {ident} {accs}: {rows[-1]['ratio']}" + (f"; model's {drawn}" if drawn else ""))
     if sheet is not None:
         contact_sheet(shown, times, sheet)
     return {"seconds": seconds, "frames_per_clip": n, "identities": rows, "aggregate": aggregate(rows)}
@@ -448,7 +503,8 @@ def markdown_table(result: dict[str, object]) -> str:
     agg = result["aggregate"]["all"]  # type: ignore[index]
     lines = ["| statistic | model | ground truth | model / ground truth |", "|---|---|---|---|"]
     for key in [*(f"dist_{r}" for r in DIST_REGIONS), "ssim_head", *(f"ssim_{r}" for r in DIST_REGIONS),
-                *(f"presence_{a}" for a in ACCESSORIES), "seam_jump_px", "seam_jump_score", "seam_outline_score"]:
+                *(f"presence_{a}" for a in ACCESSORIES), *(f"false_{a}" for a in ACCESSORIES), "seam_jump_px",
+                "seam_jump_score", "seam_outline_score"]:
         m, g = agg.get(f"model_{key}"), agg.get(f"truth_{key}")
         if m is None:
             continue

@@ -22,8 +22,8 @@ audio; nothing reads model internals. Frames are consumed one at a time by :clas
 CLI: ``python -m bench.quality --json [--audio FILE] [--minutes M] [--plot out.png] [--ground-truth]``.
 ``--fidelity [--identities N] [--seconds S] [--sheet out.png]`` scores identity fidelity instead
 (``bench.fidelity``: per-region distance to the reference after aligning the head, accessory
-presence, SSIM, head jump at seams) as model / ground-truth ratios over N held-out identities, and
-writes a contact sheet (reference, ground truth, model at several times).
+presence and false presence, SSIM, head jump at seams) as model / ground-truth ratios over N
+held-out identities, and writes a contact sheet (reference, ground truth, model at several times).
 ``--ground-truth`` scores generator renders of a held-out identity (the baseline); the model mode calls a
 ``render_fn`` (default ``bench.quality_render:render_for_quality``, imported lazily) twice, with and without
 I chunks.

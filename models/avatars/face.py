@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -32,6 +33,7 @@ _HAIR = [(20, 18, 16), (60, 40, 25), (110, 75, 40), (200, 170, 110), (160, 70, 3
 _EYES = [(70, 45, 25), (60, 110, 170), (70, 120, 70), (110, 110, 120), (120, 90, 40)]
 _ACCENT = [(200, 40, 40), (40, 90, 200), (30, 140, 80), (230, 190, 40), (120, 60, 160), (30, 30, 30),
            (240, 240, 240), (230, 120, 30)]
+_EARRINGS = [(230, 190, 60), (200, 200, 210)]  # gold, silver
 
 
 def _rgb(c: np.ndarray | tuple[float, ...]) -> tuple[int, int, int]:
@@ -123,7 +125,7 @@ class FaceIdentity:
             mouth_y=rng.uniform(0.13, 0.17), mouth_w=rng.uniform(0.055, 0.075), lips=lips,
             glasses=int(rng.choice(3, p=[0.65, 0.2, 0.15])),
             glasses_color=_ACCENT[int(rng.integers(len(_ACCENT)))],
-            earrings=_rgb(rng.choice([(230, 190, 60), (200, 200, 210)])) if rng.random() < 0.3 else None,
+            earrings=_rgb(rng.choice(_EARRINGS)) if rng.random() < 0.3 else None,
             hat=_ACCENT[int(rng.integers(len(_ACCENT)))] if rng.random() < 0.2 else None,
         )
 
@@ -139,6 +141,28 @@ class FaceIdentity:
         if accessory not in ACCESSORIES:
             raise ValueError(f"accessory={accessory!r}: must be one of {ACCESSORIES}")
         return replace(self, **{"glasses": 0} if accessory == "glasses" else {accessory: None})
+
+    def with_accessory(self, accessory: str, style: int) -> FaceIdentity:
+        """The same person wearing ``accessory`` in style ``style`` of :data:`ACCESSORY_STYLES` (what
+        :meth:`sample` can draw: glasses round or square in an accent colour, gold or silver
+        earrings, a hat in an accent colour), replacing the identity's own if it has one: the
+        counterfactuals ``bench.fidelity`` decides *false* presence against (an accessory drawn on a
+        reference that lacks it, in whatever colour)."""
+        if accessory not in ACCESSORIES:
+            raise ValueError(f"accessory={accessory!r}: must be one of {ACCESSORIES}")
+        styles = ACCESSORY_STYLES[accessory]
+        if not 0 <= style < len(styles):
+            raise ValueError(f"style={style}: {accessory} has styles 0..{len(styles) - 1} (ACCESSORY_STYLES)")
+        return replace(self, **styles[style])
+
+
+# Every way :meth:`FaceIdentity.sample` can draw each accessory, as the fields it sets, in a fixed
+# order (:meth:`FaceIdentity.with_accessory` takes an index into these).
+ACCESSORY_STYLES: dict[str, tuple[dict[str, Any], ...]] = {
+    "glasses": tuple({"glasses": shape, "glasses_color": c} for shape in (1, 2) for c in _ACCENT),
+    "earrings": tuple({"earrings": c} for c in _EARRINGS),
+    "hat": tuple({"hat": c} for c in _ACCENT),
+}
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,14 @@ from models.avatars.dataset import (
     identity_for,
     render_clip,
 )
-from models.avatars.face import FaceIdentity, FaceRenderer, HeadPose, measure_mouth_opening
+from models.avatars.face import (
+    ACCESSORIES,
+    ACCESSORY_STYLES,
+    FaceIdentity,
+    FaceRenderer,
+    HeadPose,
+    measure_mouth_opening,
+)
 from models.avatars.speech import (
     HELDOUT_VOICES,
     SAMPLE_RATE,
@@ -212,6 +219,40 @@ def test_identity_without_an_accessory_changes_only_its_pixels(seed: int, access
     assert changed.any() and not changed[cover == 0].any()
     with pytest.raises(ValueError, match="accessory='scarf'"):
         idn.without("scarf")
+
+
+def test_accessory_styles_are_what_the_generator_draws() -> None:
+    """ACCESSORY_STYLES holds every way FaceIdentity.sample draws each accessory, and nothing else
+    (bench.fidelity's false presence is decided against them)."""
+    drawn: dict[str, set[tuple]] = {a: set() for a in ACCESSORIES}
+    for seed in range(3000):
+        idn = FaceIdentity.sample(seed)
+        fields = {"glasses": ("glasses", "glasses_color"), "earrings": ("earrings",), "hat": ("hat",)}
+        for acc in idn.accessories:
+            drawn[acc].add(tuple(getattr(idn, f) for f in fields[acc]))
+    for acc in ACCESSORIES:
+        assert drawn[acc] == {tuple(st.values()) for st in ACCESSORY_STYLES[acc]}, acc
+
+
+@pytest.mark.parametrize("seed,accessory", [(_HAT, "glasses"), (_GLASSES, "earrings"), (_EARRINGS, "hat")])
+def test_identity_with_an_accessory_changes_only_its_pixels(seed: int, accessory: str) -> None:
+    idn = FaceIdentity.sample(seed)
+    assert accessory not in idn.accessories
+    pose = HeadPose(-2.0, 0.0, 0.0, 1.0)
+    without = FaceRenderer(idn).render(pose, 0.5, 0.5, 0.0).astype(int)
+    for style in (0, len(ACCESSORY_STYLES[accessory]) - 1):
+        worn = idn.with_accessory(accessory, style)
+        assert worn.accessories == tuple(a for a in ACCESSORIES if a in (*idn.accessories, accessory))
+        assert all(getattr(worn, k) == v for k, v in ACCESSORY_STYLES[accessory][style].items())
+        assert np.array_equal(FaceRenderer(worn.without(accessory)).render(pose, 0.5, 0.5, 0.0), without)
+        face = FaceRenderer(worn)
+        changed = np.abs(face.render(pose, 0.5, 0.5, 0.0).astype(int) - without).max(axis=-1) > 0
+        cover = face.region_masks(pose, 0.5, 0.5, 0.0)[accessory]
+        assert changed.any() and not changed[cover == 0].any()
+    with pytest.raises(ValueError, match="accessory='scarf'"):
+        idn.with_accessory("scarf", 0)
+    with pytest.raises(ValueError, match="style=99"):
+        idn.with_accessory(accessory, 99)
 
 
 def test_frame_truth_carries_pose_and_expression() -> None:
