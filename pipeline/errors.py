@@ -65,3 +65,18 @@ class LiveFeedError(RenderError):
     without an end (the feeder died). Sessions are not resumable, so never retried."""
 
     code = "live_feed"
+
+
+class ResumeStateError(InvalidInputError):
+    """``render(resume_state=...)`` got a snapshot this render cannot continue: unreadable, of another
+    snapshot version, or made for another plan or with other options, another model, seed, text or
+    reference image (``differs`` names what: ``"plan"``, ``"options.steps"``, ``"weights"``, ...).
+    Continuing would change the video's method or model at the seam. A direct caller renders again
+    without ``resume_state``; the worker does that itself, after discarding the segments made under
+    the snapshot (docs/jobs.md, "Resume")."""
+
+    code = "resume_mismatch"
+
+    def __init__(self, message: str, *, differs: tuple[str, ...] = ()) -> None:
+        super().__init__(message, field="resume_state")
+        self.differs = differs  # kept when pickled across the rank pipe (BaseException keeps __dict__)

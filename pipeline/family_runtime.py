@@ -11,6 +11,7 @@ One render at a time uses a runtime. Family-neutral: everything model-specific c
 from __future__ import annotations
 
 import functools
+import hashlib
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -22,6 +23,7 @@ from pipeline.model_family import FamilyPreset, ModelFamily
 from pipeline.module import Module
 from pipeline.pipeline import Pipeline
 from pipeline.stage_common import Timings
+from pipeline.weights_identity import weights_identity
 
 
 class FamilyRuntime:
@@ -32,6 +34,11 @@ class FamilyRuntime:
     weights; nothing is built then. ``on_use(name)`` runs each time a stage takes model ``name``
     (``Module.get``), just before its forward: a rank passes its parker's ``activate`` so the stage's
     model is brought back and the others parked.
+
+    ``weights_id``: the identity of the weights the modules compute with
+    (:func:`~pipeline.weights_identity.weights_identity`), part of every resume snapshot's key
+    (``render()``); default: computed here from ``checkpoint``, once, right before the modules load.
+    A rank passes the one its loaders computed when they loaded ``loaded``.
     """
 
     def __init__(
@@ -43,10 +50,12 @@ class FamilyRuntime:
         device: str = "cpu",
         loaded: Mapping[str, nn.Module] | None = None,
         on_use: Callable[[str], None] | None = None,
+        weights_id: str | None = None,
     ) -> None:
         self.family = family
         self.preset = preset
         self.checkpoint = checkpoint
+        self.weights_id = weights_identity(checkpoint) if weights_id is None else weights_id
         self.modules = family.modules(preset, checkpoint, device=device)
         if loaded is None:
             if on_use is not None:
@@ -79,6 +88,18 @@ class FamilyRuntime:
     @property
     def is_random_init(self) -> bool:
         return self.checkpoint is None
+
+    def model_key(self) -> dict[str, str]:
+        """The model's part of a resume snapshot's key (``render()``, ``pipeline.state``): the family,
+        the preset's name and a digest of its definition (shapes, sampler settings: a deploy may change
+        them under the same name; presets are frozen dataclasses, so their repr is stable) and
+        :attr:`weights_id`."""
+        return {
+            "family": self.family.name,
+            "preset": self.preset.name,
+            "preset_config": hashlib.sha256(repr(self.preset).encode()).hexdigest()[:16],
+            "weights": self.weights_id,
+        }
 
 
 class WarmFamilies:

@@ -9,9 +9,10 @@ particular family.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,7 @@ from pipeline.pipeline import Mode
 from pipeline.publish import Publisher
 from pipeline.request import MAX_TEXT_CHARS, RenderProgress, RenderRequest, RenderResult
 from pipeline.schedule import ChunkPlan, LiveChunkPlan, PlanError, frames_for_audio
-from pipeline.state import RollingState
+from pipeline.state import ResumeKey, RollingState
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,28 @@ def validate_request(request: RenderRequest) -> None:
             field="text")
     if not isinstance(request.seed, int) or request.seed < 0:
         raise InvalidInputError(f"seed={request.seed!r}: must be an integer >= 0", field="seed")
+
+
+def resume_key(request: RenderRequest, family: FamilyRuntime, options: Mapping[str, str | int | float],
+               reference: np.ndarray) -> ResumeKey:
+    """What decides a render's frames besides its chunk plan, as every resume snapshot records it
+    (``pipeline.state``): the model (``FamilyRuntime.model_key``: family, preset, preset definition,
+    weights identity), ``options`` as the family resolved them (``ModelFamily.options``: the preset's
+    defaults filled in, so a deploy that changes a default changes the key), the seed, and digests of
+    the text and of the reference image as rendered. Not the audio: the plan covers its length, its
+    samples are not read up front. Cheap: a few hashes of small inputs."""
+    key: ResumeKey = dict(family.model_key())
+    for name, value in sorted(options.items()):
+        # a long string (a negative prompt): its digest, not the text, in every snapshot
+        key[f"options.{name}"] = _digest(value.encode()) if isinstance(value, str) and len(value) > 64 else value
+    key["seed"] = request.seed
+    key["text"] = None if request.text is None else _digest(request.text.encode())
+    key["reference"] = _digest(str(reference.shape).encode() + np.ascontiguousarray(reference).tobytes())
+    return key
+
+
+def _digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()[:16]
 
 
 def render(
@@ -102,13 +125,13 @@ def render(
                              num_video_frames=0 if grid.is_identity else num_video)
         except PlanError as exc:
             raise InvalidInputError(f"audio {request.audio}: {exc}", field="audio") from exc
-        plan_key = plan.key
+        plan_key, key = plan.key, resume_key(request, family, options, reference)
         if resume_state is not None:
             if mode != "streaming":
                 raise InvalidInputError("resume_state needs mode='streaming'", field="mode")
-            state = RollingState.restore(resume_state, plan_key=plan_key, device=device)
+            state = RollingState.restore(resume_state, plan_key=plan_key, resume_key=key, device=device)
         else:
-            state = RollingState(plan_key=plan_key)
+            state = RollingState(plan_key=plan_key, resume_key=key)
         # x264 "veryfast": ~40% less CPU than "fast" for the same CRF; inference owns the cores
         encoder = FragmentEncoder(width, height, preset.fps, audio, preset="veryfast",
                                   start_frame=plan.video_frames(plan.emission_frames(state.next_emission)).start

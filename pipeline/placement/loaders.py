@@ -23,6 +23,7 @@ from torch import nn
 from pipeline.model_family import ModelFamily
 from pipeline.placement.fsdp import parallelize
 from pipeline.placement.rank import ModuleLoader, RankContext
+from pipeline.weights_identity import weights_identity
 
 logger = logging.getLogger(__name__)
 
@@ -47,12 +48,15 @@ def _place(ctx: RankContext, name: str, module: nn.Module, *, shard: bool, prefe
 @dataclass(frozen=True)
 class FamilySource:
     """Where a rank's module came from: the family, the preset name, the checkpoint (None: random
-    init), and whether it is registered with ``ctx.parker`` (the render activates those per stage)."""
+    init), whether it is registered with ``ctx.parker`` (the render activates those per stage), and
+    the identity of its weights as loaded (``weights_identity`` of the checkpoint when the module was
+    loaded, plus a non-default seed / dtype: the resume key's ``weights``)."""
 
     family: ModelFamily
     preset: str
     checkpoint: Path | None
     parked: bool
+    weights_id: str = ""
 
 
 # name -> source of each module family_loaders built in this rank process (render_on_rank checks
@@ -79,6 +83,8 @@ def load_family_module(
     it (see :func:`family_loaders`); ``shard``: FSDP2-shard it and register it with the parker."""
     resolved = family.preset(preset)
     ckpt = (Path(checkpoint) if checkpoint else None if random_init else family.default_checkpoint(resolved))
+    # read right before the weights are: what this module computes with, for the resume key
+    weights_id = weights_identity(ckpt) + (f"+seed{seed}" if seed else "") + (f"+{dtype}" if dtype else "")
     device = str(ctx.device) if build_on_device else "cpu"
     modules = family.modules(resolved, ckpt, device=device, seed=seed)
     if name not in modules:
@@ -92,7 +98,8 @@ def load_family_module(
     shard = shard and is_block_model(model)
     placed = _place(ctx, name, model, shard=shard, prefetch=prefetch,
                     methods=tuple(family.parallel.forward_methods.get(name, ())))
-    FAMILY_SOURCES[name] = FamilySource(family, preset, ckpt, parked=shard and ctx.parker.enabled)
+    FAMILY_SOURCES[name] = FamilySource(family, preset, ckpt, parked=shard and ctx.parker.enabled,
+                                        weights_id=weights_id)
     return placed
 
 

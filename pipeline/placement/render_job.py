@@ -132,13 +132,16 @@ def rank_family(ctx: RankContext, family: str, preset: str, checkpoint: Path | N
             "jobs ask for, or send shard=False"
         )
     parked = {n for n, src in sources.items() if src is not None and src.parked}
+    # one checkpoint, so one identity; should a file have changed between two modules' loads, the
+    # key names both (a snapshot of either model then does not resume here)
+    weights_id = "+".join(sorted({src.weights_id for src in sources.values() if src is not None}))
 
     def activate(name: str) -> None:  # Module.get() right before a stage's forward
         if name in parked:
             ctx.parker.activate(name)
 
     return FamilyRuntime(model_family, family_preset, ckpt, device=str(ctx.device), loaded=ctx.modules,
-                         on_use=activate)
+                         on_use=activate, weights_id=weights_id)
 
 
 def agreed_cancel(ctx: RankContext) -> Callable[[], bool]:

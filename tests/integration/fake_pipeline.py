@@ -20,7 +20,8 @@ the fragments are real fMP4 (H.264 + AAC, :func:`delivery_media.make_sample`, on
 fragment), so a browser can play the session (the preview page test).
 
 Also here: :func:`hanging_delivery`, the worker's real delivery with a sink that hangs once (the
-``hanging`` app of ``celery_apps.py`` injects it into ``JobWorker``).
+``hanging`` app of ``celery_apps.py`` injects it into ``JobWorker``), and
+:func:`real_render_crashing_once`, the real pipeline whose first attempt dies after a few commits.
 """
 
 from __future__ import annotations
@@ -34,7 +35,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import CancelledError, InvalidInputError, OutOfMemoryError, RenderError
+from pipeline.errors import (
+    CancelledError,
+    InvalidInputError,
+    OutOfMemoryError,
+    RenderError,
+    ResumeStateError,
+    SinkError,
+)
 from pipeline.families import FAMILIES
 from pipeline.media_types import Fragment, FrameSink, InitSegment
 from pipeline.request import RenderProgress, RenderRequest, RenderResult
@@ -291,10 +299,8 @@ def render(
     start, acc = 0, _start_state(seed)
     if resume_state is not None:
         st = json.loads(resume_state)
-        if st["seed"] != seed:
-            raise InvalidInputError(
-                f"resume_state is for seed {st['seed']}, not {seed}", field="resume_state"
-            )
+        if st["seed"] != seed:  # as render() refuses a snapshot of another key: the worker starts over
+            raise ResumeStateError(f"resume_state is for seed {st['seed']}, not {seed}", differs=("seed",))
         start, acc = int(st["next"]), bytes.fromhex(st["acc"])
     for s in sinks:
         s.open(init_segment(seed))
@@ -344,6 +350,39 @@ def render(
         wall_s=time.monotonic() - t0,
         peak_rss_bytes=0,
     )
+
+
+# ------------------------------------------------------------------------------- the real render
+class _CrashingSink:
+    """Forwards to ``sink``; its ``write`` of fragment ``index`` fails (retryable) once: when the file
+    ``marker`` does not exist yet (it is created then), so the retry runs through."""
+
+    def __init__(self, sink: FrameSink, index: int, marker: str) -> None:
+        self.sink, self.index, self.marker = sink, index, marker
+
+    def open(self, init: InitSegment) -> None:
+        self.sink.open(init)
+
+    def write(self, fragment: Fragment) -> None:
+        if fragment.index == self.index and not os.path.exists(self.marker):
+            Path(self.marker).touch()
+            raise SinkError(f"injected: the attempt dies at fragment {self.index} (after {self.index} commits)")
+        self.sink.write(fragment)
+
+    def close(self, *, ok: bool) -> None:
+        self.sink.close(ok=ok)
+
+
+def real_render_crashing_once(request: RenderRequest, sinks: Sequence[FrameSink], **kw: Any) -> RenderResult:
+    """``pipeline.render.render`` (the real pipeline) whose attempt fails at one fragment, once:
+    ``$LONGTAKE_FAKE_RENDER_CRASH`` = ``"index:marker-path"``, read in the rank (set it before the
+    worker's ranks start). Fragments before ``index`` reach the worker and are committed with their
+    resume states; the failure is retryable, so the job is requeued (the retry tests of
+    test_jobs_crash.py)."""
+    from pipeline.render import render as real_render
+
+    index, _, marker = os.environ["LONGTAKE_FAKE_RENDER_CRASH"].partition(":")
+    return real_render(request, [_CrashingSink(sink, int(index), marker) for sink in sinks], **kw)
 
 
 # ------------------------------------------------------------------------------------------ delivery

@@ -21,7 +21,7 @@ from worker.delivery.object_store import ObjectStore
 from worker.delivery.s3_sink import MultipartState, S3ProgressiveSink
 from worker.delivery.s3_store import S3ObjectStore
 from worker.delivery.segment import SegmentRecord
-from worker.errors import StorageError
+from worker.errors import LeaseLostError, StorageError
 
 pytestmark = pytest.mark.integration
 
@@ -332,3 +332,53 @@ def test_resume_from_an_older_state_resends_nothing(moto_s3: MotoServer, tmp_pat
         third.write(type(bad)(bad.index, bad.data + b"!", bad.first_frame, bad.num_frames, bad.start_s,
                               bad.duration_s))
     third.close(ok=False)
+
+
+def test_discard_removes_an_interrupted_render_before_a_fresh_one(moto_s3: MotoServer, tmp_path: Path) -> None:  # noqa: F811
+    """A retry whose resume state the render refused starts over (docs/jobs.md, "Resume"): a fresh
+    sink deletes what attempt 1 left — its multipart upload (aborted) and state, its segments and
+    resume states, the playlist naming them — then delivers the new render whole; no object of
+    attempt 1 is left. Every write is fenced: a sink whose lease is lost stops deleting."""
+    store = moto_s3.store()
+    sample = make_sample(6.0, gop=12, big=True)
+    commits: list[SegmentRecord] = []
+    first = S3ProgressiveSink(store, PREFIX, on_commit=commits.append, key_tag="a1-")
+    run_render(first, sample, stop=9)
+    first.close(ok=False)
+    mp = first.multipart_state
+    assert mp is not None and mp.parts and store.exists(first.state_object_key)
+    names = lambda: sorted(k.rsplit("/", 1)[-1] for k in store.list(PREFIX))  # noqa: E731
+    assert [n for n in names() if n.startswith("a1-")] == sorted(
+        [f"a1-seg_{i:05d}.m4s" for i in range(9)] + [f"a1-state_{i:05d}.bin" for i in range(9)])
+
+    calls: list[int] = []
+
+    def lost_after_one() -> None:  # the lease is lost after the abort: no delete may follow
+        calls.append(1)
+        if len(calls) > 1:
+            raise LeaseLostError("lease of job gone")
+
+    stale = S3ProgressiveSink(store, PREFIX, on_commit=lambda c: None, key_tag="a2-", fence=lost_after_one)
+    with pytest.raises(LeaseLostError):
+        stale.discard(commits)
+    assert [n for n in names() if n.startswith("a1-")] and store.exists(first.state_object_key)
+
+    fences: list[int] = []
+    fresh_commits: list[SegmentRecord] = []
+    fresh = S3ProgressiveSink(store, PREFIX, on_commit=fresh_commits.append, key_tag="a2-",
+                              fence=lambda: fences.append(1))
+    fresh.discard(commits)
+    assert fences, "the deletes are fenced"
+    assert names() == ["init.mp4"]  # rewritten by the fresh render (its own output size)
+    with pytest.raises(StorageError):
+        store.list_parts(mp.key, mp.upload_id)  # aborted: its parts cost nothing any more
+    with pytest.raises(SinkError, match="fresh sink"):
+        S3ProgressiveSink(store, PREFIX, committed=commits, on_commit=lambda c: None).discard(commits)
+    run_render(fresh, sample)
+    fresh.close(ok=True)
+    verify_final(store, fresh, sample, tmp_path)
+    assert [c.index for c in fresh_commits] == list(range(len(sample.fragments)))
+    assert fresh.counters.part_bytes == len(sample.mp4)
+    assert not [n for n in names() if n.startswith("a1-")]
+    listed = [ln for ln in store.get_bytes(fresh.playlist_key).decode().splitlines() if ln and ln[0] != "#"]
+    assert listed == [f"a2-seg_{i:05d}.m4s" for i in range(len(sample.fragments))]

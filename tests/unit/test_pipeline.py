@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
+import os
+import shutil
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -13,12 +18,16 @@ import pytest
 import torch
 
 from bench.inputs import DEMO_IMAGE
-from pipeline.errors import CancelledError, PipelineBuildError
+from pipeline.errors import CancelledError, PipelineBuildError, ResumeStateError
 from pipeline.families import FAMILIES
 from pipeline.family_runtime import WARM_FAMILIES, FamilyRuntime
+from pipeline.inputs import load_reference_image
 from pipeline.media_types import Fragment, InitSegment
-from pipeline.render import RenderRequest, render
+from pipeline.render import RenderRequest, render, resume_key
 from pipeline.sinks import FileSink
+from pipeline.state import SNAPSHOT_VERSION
+from pipeline.weights_identity import weights_identity
+from tests.weights_support import other_weights
 
 R = TypeVar("R")
 
@@ -87,6 +96,100 @@ def test_resume_from_any_emission_equals_uninterrupted(speech) -> None:  # type:
         assert [f.data for f in resumed.fragments] == [f.data for f in sink.fragments[j + 1 :]]
         assert resumed.init is not None and sink.init is not None and resumed.init.data == sink.init.data
     assert sink.fragments[-1].is_last and sink.fragments[-1].resume_state is None
+
+
+def test_resume_key_differs_by_option_weights_seed_text_and_nothing_else(speech, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    family = FAMILIES.get("tiny")
+    preset = family.preset("tiny")
+    shipped = family.default_checkpoint(preset)
+    assert shipped is not None
+    copy = tmp_path / "elsewhere.safetensors"  # the same file downloaded to another node
+    shutil.copyfile(shipped, copy)
+    os.utime(copy, (1, 1))
+    other = other_weights(shipped, tmp_path / "other.safetensors")
+    with open(shipped, "rb") as a, open(other, "rb") as b:  # only the weights differ, not the header
+        n = int.from_bytes(a.read(8), "little")
+        assert b.read(8 + n)[8:] == a.read(n) and os.path.getsize(other) == os.path.getsize(shipped)
+    request = RenderRequest(image=DEMO_IMAGE, audio=speech(0.8), seed=3, text="a person talking")
+    reference = load_reference_image(DEMO_IMAGE, preset.height, preset.width)
+    runtime = FamilyRuntime(family, preset, shipped)
+    options = family.options(preset, {})
+
+    def differs(request: RenderRequest = request, runtime: FamilyRuntime = runtime,
+                options: dict[str, str | int | float] = options) -> list[str]:
+        a, b = resume_key(request, runtime, options, reference), key
+        return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+
+    key = resume_key(request, runtime, options, reference)
+    assert {"family", "preset", "preset_config", "weights", "options.steps", "options.audio_guidance", "seed",
+            "text", "reference"} <= set(key)
+    assert differs() == []
+    assert differs(runtime=FamilyRuntime(family, preset, copy)) == []  # content, not path or mtime
+    assert differs(options=family.options(preset, {"steps": preset.num_steps})) == []  # as resolved
+    assert differs(options=family.options(preset, {"steps": 3})) == ["options.steps"]
+    assert differs(options=family.options(preset, {"audio_guidance": 1.0})) == ["options.audio_guidance"]
+    assert differs(runtime=FamilyRuntime(family, preset, other)) == ["weights"]
+    assert differs(runtime=FamilyRuntime(family, preset, None)) == ["weights"]  # random init
+    assert differs(request=dataclasses.replace(request, seed=4)) == ["seed"]
+    assert differs(request=dataclasses.replace(request, text="a person singing")) == ["text"]
+    # a release directory (the wan family's): every file by relative path, hidden ones (downloaders'
+    # caches) left out
+    release = tmp_path / "release"
+    (release / "dit").mkdir(parents=True)
+    (release / ".cache").mkdir()
+    shutil.copyfile(shipped, release / "dit" / "model.safetensors")
+    (release / "config.json").write_text('{"dim": 128}')
+    (release / ".cache" / "download.lock").write_text("1")
+    ident = weights_identity(release)
+    (release / ".cache" / "download.lock").write_text("2")
+    assert weights_identity(release) == ident
+    (release / "config.json").write_text('{"dim": 129}')
+    assert weights_identity(release) != ident
+    (release / "config.json").write_text('{"dim": 128}')
+    shutil.copyfile(other, release / "dit" / "model.safetensors")
+    assert weights_identity(release) != ident
+    # the cost: one small read per tensor, whatever the checkpoint's size
+    t0 = time.perf_counter()
+    weights_identity(shipped)
+    assert time.perf_counter() - t0 < 0.5
+
+
+def test_restore_refuses_a_snapshot_of_another_render_naming_what_differs(speech, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    request = RenderRequest(image=DEMO_IMAGE, audio=speech(2.0), seed=5)  # tiny preset: 5 steps by default
+    _, sink = _frames(request)
+    state = sink.fragments[1].resume_state
+    assert state is not None
+    shipped = FAMILIES.get("tiny").default_checkpoint(FAMILIES.get("tiny").preset("tiny"))
+    assert shipped is not None
+    other = other_weights(shipped, tmp_path / "other.safetensors")
+    old = torch.load(io.BytesIO(state), weights_only=True)
+    old["version"] = SNAPSHOT_VERSION - 1
+    old_state = io.BytesIO()
+    torch.save(old, old_state)
+
+    def refusal(request: RenderRequest, state: bytes) -> ResumeStateError:
+        untouched = RecordingSink()
+        with pytest.raises(ResumeStateError) as err:
+            render(request, [untouched], resume_state=state)
+        assert untouched.init is None and untouched.fragments == []  # refused before anything is published
+        assert err.value.field == "resume_state" and err.value.code == "resume_mismatch"
+        assert "render from the beginning without resume_state" in str(err.value)
+        return err.value
+
+    err = refusal(dataclasses.replace(request, options={"steps": 3}), state)
+    assert err.differs == ("options.steps",)
+    assert "the options (options.steps: 5 in the snapshot, 3 now)" in str(err)
+    err = refusal(dataclasses.replace(request, checkpoint=other), state)
+    assert err.differs == ("weights",) and "the model (weights: '" in str(err)
+    err = refusal(dataclasses.replace(request, checkpoint=other, options={"steps": 3}), state)
+    assert err.differs == ("options.steps", "weights")
+    assert refusal(dataclasses.replace(request, audio=speech(2.6)), state).differs == ("plan",)
+    assert refusal(dataclasses.replace(request, seed=6), state).differs == ("seed",)
+    assert refusal(request, old_state.getvalue()).differs == ("version",)
+    assert refusal(request, b"not a snapshot").differs == ("unreadable",)
+    # the same render (a checkpoint given by path is the one used by default) resumes
+    _, resumed = _frames(dataclasses.replace(request, checkpoint=shipped), resume_state=state)
+    assert [f.data for f in resumed.fragments] == [f.data for f in sink.fragments[2:]]
 
 
 def test_cancel_between_chunks_closes_sinks_not_ok(speech) -> None:  # type: ignore[no-untyped-def]

@@ -113,7 +113,7 @@ def _run(family_name: str, preset_name: str, *, on_cuda: bool, seconds: float, n
             if resume is None:
                 state = RollingState(plan_key=plan.key)
             else:  # what restore(map_location=device) gives
-                state = RollingState.restore(resume, plan_key=plan.key)
+                state = RollingState.restore(resume, plan_key=plan.key, resume_key={})
                 if on_cuda:
                     state.last_n, state.prev_last = (None if t is None else t.to(CUDA)
                                                      for t in (state.last_n, state.prev_last))

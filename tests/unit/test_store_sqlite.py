@@ -138,6 +138,34 @@ def test_cancel_queued_and_running(store: JobStore) -> None:
     assert store.count_by_status() == {"cancelled": 2}
 
 
+def test_discard_segments_forgets_them_and_the_progress_under_the_lease(store: JobStore) -> None:
+    """A retry whose resume state the render refused starts over (worker.jobs.tasks._start_over):
+    the row forgets the committed segments and their progress, fenced; the next commit is index 0."""
+    import time
+
+    job = store.create(SPEC, tenant="t1")
+    first = store.claim(job.id, owner="w1", lease_s=0.01)
+    assert first is not None
+    store.commit_segment(first, _seg(0))
+    store.commit_segment(first, _seg(1))
+    time.sleep(0.05)
+    lease = store.claim(job.id, owner="w2", lease_s=30)
+    assert lease is not None and lease.attempt == 2
+    with pytest.raises(LeaseLostError):
+        store.discard_segments(first)  # a stale worker changes nothing
+    assert [s.index for s in store.segments(job.id)] == [0, 1]
+    assert store.discard_segments(lease) == 2
+    assert store.discard_segments(lease) == 0  # a repeat after an unknown outcome
+    rec = store.get(job.id)
+    assert rec is not None and rec.status == "running" and store.segments(job.id) == []
+    assert (rec.chunks_done, rec.frames_done, rec.seconds_done) == (0, 0, 0.0)
+    with pytest.raises(ValueError, match="gap"):
+        store.commit_segment(lease, _seg(2))
+    store.commit_segment(lease, _seg(0, checksum="f" * 64))
+    assert [s.checksum for s in store.segments(job.id)] == ["f" * 64]
+    assert store.get(job.id).chunks_done == 1  # type: ignore[union-attr]
+
+
 def test_retryable_error_requeues_until_attempts_run_out(store: JobStore) -> None:
     job = store.create(SPEC, tenant="t1")
     lease = store.claim(job.id, owner="w", lease_s=5)

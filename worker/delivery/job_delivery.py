@@ -4,8 +4,8 @@ Who calls what: :class:`worker.jobs.tasks.JobWorker` calls its :class:`DeliveryF
 :data:`s3_delivery`, injected through the constructor) once per attempt with the committed segments
 and the lease-fenced ``on_commit``; the runner relays the render's fragments into ``sinks``; the
 worker then asks ``verify(committed)`` whether the outputs exist (at finish), ``outputs()`` /
-``partial_outputs()`` for the row, ``load_state`` for the resume point, or ``abandon()`` when the
-job is given up.
+``partial_outputs()`` for the row, ``load_state`` for the resume point, ``discard(stale)`` when the
+render refused that resume point and the job starts again, or ``abandon()`` when the job is given up.
 
 The production delivery is :class:`worker.delivery.s3_sink.S3ProgressiveSink` (segments, HLS,
 final MP4) plus, when the spec asks for one, a KVS live preview wrapped in :class:`BestEffortSink`
@@ -42,6 +42,11 @@ class JobDelivery(Protocol):
     def partial_outputs(self) -> dict[str, str]: ...
     def load_state(self, key: str) -> bytes: ...
     def abandon(self) -> None: ...
+    def discard(self, stale: Sequence[SegmentRecord]) -> None:
+        """On a delivery built with no committed segments, before its render starts: remove what
+        the ``stale`` segments (committed by earlier attempts, forgotten by the job row since) and
+        their upload left in storage; the job renders from the beginning."""
+        ...
     def verify(self, committed: Sequence[SegmentRecord]) -> str | None:
         """After a successful render, before the row is marked succeeded: None when every output
         the row will name exists (repairing what it can), else the reason."""
@@ -153,6 +158,9 @@ class S3Delivery:
 
     def verify(self, committed: Sequence[SegmentRecord]) -> str | None:
         return self.sink.verify_outputs(committed)
+
+    def discard(self, stale: Sequence[SegmentRecord]) -> None:
+        self.sink.discard(stale)
 
     def abandon(self) -> None:
         self.sink.abandon()

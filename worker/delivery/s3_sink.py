@@ -444,6 +444,37 @@ class S3ProgressiveSink:
                 pass
             self.store.delete(self.state_object_key)
 
+    def discard(self, stale: Sequence[SegmentRecord]) -> None:
+        """Remove what an earlier render of the job left, before this sink (built with no committed
+        segments) delivers a render from the beginning: the interrupted multipart upload of the final
+        MP4 (aborted) and its state, the playlist listing the old segments, a final MP4 if one was
+        completed, and the ``stale`` segments' objects and resume states. The worker calls it after
+        the job row forgot them (``JobStore.discard_segments``), so nothing names what is deleted.
+        Fenced and retried like every write; call before ``open``."""
+        if self._thread is not None or self._resumed:
+            raise _sink_error("S3ProgressiveSink.discard: call it on a fresh sink (no committed segments) "
+                              "before open()", retryable=False)
+        mp = self._load_multipart_state()
+        if mp is not None:
+            def abort() -> None:
+                self._check_fence()
+                try:
+                    self.store.abort_multipart(mp.key, mp.upload_id)
+                except ObjectNotFoundError:
+                    pass  # completed, aborted, or expired already
+
+            self._retry(f"abort multipart {mp.upload_id}", abort)
+        keys = {self.state_object_key, self.playlist_key, self.final_key}
+        keys |= {seg.key for seg in stale} | {seg.state_key for seg in stale if seg.state_key is not None}
+        for key in sorted(keys):
+            def remove(k: str = key) -> None:
+                self._check_fence()
+                self.store.delete(k)
+
+            self._retry(f"delete {key}", remove)
+        logger.info("discarded %d committed segments under %s and the upload made with them", len(stale),
+                    self._where)
+
     # ------------------------------------------------------------------ upload thread
     def _raise_if_failed(self) -> None:
         if self._failure is not None:

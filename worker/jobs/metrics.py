@@ -66,6 +66,12 @@ STALLS = Counter(
     "was stopped and retried) or lease_released (the worker itself was stuck; heartbeats stopped)",
     ["action"],
 )
+RESUMES_DISCARDED = Counter(
+    "longtake_resumes_discarded",
+    "Retries whose resume state the render refused (the options, the model or the plan changed since "
+    "it was made, or an older snapshot version): the committed segments were discarded and the job "
+    "rendered from the beginning",
+)
 
 _server_lock = threading.Lock()
 _server_port: int | None = None

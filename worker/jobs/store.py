@@ -7,7 +7,8 @@ in pieces. The records it returns are in :mod:`worker.jobs.records`.
 Who calls what:
 - the API / client / CLI: :meth:`JobStore.create`, :meth:`get`, :meth:`list`, :meth:`request_cancel`;
 - the Celery task (:mod:`worker.jobs.tasks`): :meth:`claim`, :meth:`heartbeat`, :meth:`commit_segment`
-  (from the delivery sink's ``on_commit``), :meth:`finish`, :meth:`fail`, :meth:`requeue`,
+  (from the delivery sink's ``on_commit``), :meth:`discard_segments` (a resume state the render
+  refused: the job restarts from the beginning), :meth:`finish`, :meth:`fail`, :meth:`requeue`,
   :meth:`release` (drain on SIGTERM), :meth:`mark_cancelled`, :meth:`cancel_requested`;
 - the reaper (a thread in every worker, or ``longtake reap``): :meth:`requeue_expired`, and the
   outbox sweep :meth:`take_unpublished` (the API calls :meth:`mark_unpublished` when a send fails).
@@ -39,7 +40,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, case, func, or_, select, update
+from sqlalchemy import and_, case, delete, func, or_, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -382,6 +383,47 @@ class JobStore:
             self._renewed(lease.token, lease.lease_s, started)
 
         self._retry(op, what=f"commit segment {seg.index} of job {lease.job_id}")
+
+    def discard_segments(self, lease: Lease) -> int:
+        """Forget every committed segment of the job and its progress, fenced (LeaseLostError:
+        nothing changed): the attempt renders the job from the beginning because its resume state
+        cannot continue this render (``pipeline.errors.ResumeStateError``: the options or the model
+        changed since it was made). One transaction: the row stops naming the old segments (and
+        their resume states) before anything deletes their objects, so a crash in between leaves
+        orphan objects, never a row naming missing ones. Returns how many were discarded. Repeating
+        is harmless."""
+
+        def op() -> int:
+            started = time.monotonic()
+            now = _utcnow()
+            with Session(self.engine) as s, s.begin():
+                res = s.execute(
+                    update(JobRow)
+                    .where(_fenced(lease))
+                    .values(
+                        progress_chunks=0,
+                        progress_frames=0,
+                        progress_s=0.0,
+                        progress_at=now,
+                        updated_at=now,
+                        lease_expires_at=now + timedelta(seconds=lease.lease_s),
+                    )
+                    .execution_options(synchronize_session=False)
+                )
+                if res.rowcount != 1:  # type: ignore[attr-defined]
+                    raise LeaseLostError(
+                        f"job {lease.job_id}: lease {lease.token} of {lease.owner!r} is no longer valid; "
+                        "its segments were not discarded"
+                    )
+                gone = s.execute(
+                    delete(SegmentRow).where(SegmentRow.job_id == lease.job_id)
+                    .execution_options(synchronize_session=False)
+                )
+                count = int(gone.rowcount)  # type: ignore[attr-defined]
+            self._renewed(lease.token, lease.lease_s, started)
+            return count
+
+        return self._retry(op, what=f"discard segments of job {lease.job_id}")
 
     def segments(self, job_id: str) -> builtins.list[SegmentRecord]:
         """Committed segments in index order (the resume point is the last one)."""

@@ -11,7 +11,9 @@ One attempt:
    out of attempts: return without rendering (this is how a message delivered twice renders once).
 2. Fetch inputs (``file://`` re-checked against ``Settings.file_root``; ``s3://`` and ``upload://``
    downloaded into ``work_dir``); read the committed segments and, if any, the resume state of the
-   last one.
+   last one. Should the render refuse that state (made with other options, another model or plan:
+   ``ResumeStateError``), the segments are discarded and the job renders from the beginning
+   (:meth:`JobWorker._start_over`).
 3. Build the job's delivery (the ``delivery`` factory given to :class:`JobWorker`; default
    :func:`worker.delivery.job_delivery.s3_delivery`) whose ``on_commit`` is the lease-fenced
    ``JobStore.commit_segment``.
@@ -39,7 +41,7 @@ from urllib.parse import unquote, urlsplit
 
 from celery import Celery
 
-from pipeline.errors import InvalidInputError, RenderError
+from pipeline.errors import InvalidInputError, RenderError, ResumeStateError
 from pipeline.media_types import Fragment
 from pipeline.placement.render_job import RankRenderRequest
 from pipeline.request import Renderer, RenderProgress, RenderRequest
@@ -215,9 +217,8 @@ class JobWorker:
                 lost.set()
                 raise
 
-        try:
-            committed = self.store.segments(lease.job_id)
-            delivery = self.delivery_factory(
+        def make_delivery(committed: Sequence[SegmentRecord]) -> JobDelivery:
+            return self.delivery_factory(
                 self.settings,
                 tenant=rec.tenant,
                 job_id=rec.id,
@@ -227,6 +228,10 @@ class JobWorker:
                 attempt=lease.attempt,
                 fence=fence,
             )
+
+        try:
+            committed = self.store.segments(lease.job_id)
+            delivery = make_delivery(committed)
             image = self._fetch(rec, rec.spec.image, "image", workdir)
             # a live session has no audio file: the render follows the live directory the session
             # feeder writes (worker.jobs.session)
@@ -251,11 +256,57 @@ class JobWorker:
         feeder: list[SessionFeeder] = []
         try:
             outcome = self._render(lease, rec, delivery, image, audio, resume_state, feeder)
+            if resume_state is not None and outcome.status == "failed" and outcome.code == ResumeStateError.code:
+                fresh = self._start_over(lease, outcome.message or "", make_delivery)
+                if isinstance(fresh, str):
+                    return fresh
+                delivery = fresh
+                outcome = self._render(lease, rec, delivery, image, audio, None, feeder)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         if lost.is_set() and outcome.status != "succeeded":
             outcome = RenderOutcome(status="stopped", code="lease_lost", message="lease lost during a commit")
         return self._end(lease, delivery, outcome, feeder[0] if feeder else None)
+
+    def _start_over(
+        self, lease: Lease, refusal: str, make_delivery: Callable[[Sequence[SegmentRecord]], JobDelivery]
+    ) -> JobDelivery | str:
+        """The render refused the resume state before it published anything
+        (``pipeline.errors.ResumeStateError``: the job's options, the model or the plan differ from
+        those the state was made with — typically a deploy between two attempts — or the state is of
+        an older snapshot version). Not the user's error, and the job can still be done right: the
+        committed segments were made under that state, so the row forgets them
+        (``JobStore.discard_segments``, fenced; progress back to 0), their objects and the
+        interrupted upload are deleted (``JobDelivery.discard``), and this attempt renders from the
+        beginning into a fresh delivery, which it returns. Resuming anyway would publish a video
+        whose method or model changes at the seam; failing would make the user resubmit for the
+        same result. A storage error here ends the attempt retryable (the row already starts from
+        the beginning); how the attempt ended is returned instead of a delivery then."""
+        stale = self.store.segments(lease.job_id)
+        log.warning(
+            "the render refused the resume state (%s); discarding the %d committed segments and rendering "
+            "the job from the beginning",
+            refusal,
+            len(stale),
+            extra={"resume_refused": refusal, "segments_discarded": len(stale)},
+        )
+        self.store.discard_segments(lease)
+        metrics.RESUMES_DISCARDED.inc()
+        try:
+            delivery = make_delivery(())
+            delivery.discard(stale)
+        except LeaseLostError:
+            raise
+        except Exception as exc:
+            return self._retry_or_fail(
+                lease,
+                None,
+                code="prepare_failed",
+                message=f"deleting the {len(stale)} segments of a refused resume state failed: {exc}; the "
+                "job renders from the beginning",
+                retryable=exc.retryable if isinstance(exc, RenderError) else True,
+            )
+        return delivery
 
     def _render(
         self,
