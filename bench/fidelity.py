@@ -318,7 +318,6 @@ class FidelityMeter:
         for acc in ACCESSORIES:
             v = self.visible.get(acc)
             out[f"presence_{acc}"] = round(float(np.mean(v)), 4) if v else None
-        for acc in ACCESSORIES:
             f = self.false_fraction.get(acc)
             out[f"false_{acc}"] = round(float(np.mean(np.asarray(f) >= VISIBLE_FRACTION)), 4) if f else None
         disp = self.displacements()

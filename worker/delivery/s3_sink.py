@@ -438,11 +438,14 @@ class S3ProgressiveSink:
         upload and remove its state; committed segments stay for the partial output."""
         mp = self._mp or self._resume_mp
         if mp is not None:
-            try:
-                self.store.abort_multipart(mp.key, mp.upload_id)
-            except ObjectNotFoundError:
-                pass
+            self._abort_upload(mp)
             self.store.delete(self.state_object_key)
+
+    def _abort_upload(self, mp: MultipartState) -> None:
+        try:
+            self.store.abort_multipart(mp.key, mp.upload_id)
+        except ObjectNotFoundError:
+            pass  # completed, aborted, or expired already
 
     def discard(self, stale: Sequence[SegmentRecord]) -> None:
         """Remove what an earlier render of the job left, before this sink (built with no committed
@@ -456,12 +459,9 @@ class S3ProgressiveSink:
                               "before open()", retryable=False)
         mp = self._load_multipart_state()
         if mp is not None:
-            def abort() -> None:
+            def abort(m: MultipartState = mp) -> None:
                 self._check_fence()
-                try:
-                    self.store.abort_multipart(mp.key, mp.upload_id)
-                except ObjectNotFoundError:
-                    pass  # completed, aborted, or expired already
+                self._abort_upload(m)
 
             self._retry(f"abort multipart {mp.upload_id}", abort)
         keys = {self.state_object_key, self.playlist_key, self.final_key}
