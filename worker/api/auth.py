@@ -76,7 +76,7 @@ def parse_tokens(spec: str | Mapping[str, str] | Iterable[tuple[str, str]]) -> d
         if len(token) < _MIN_TOKEN_CHARS:
             raise ValueError(
                 f"LONGTAKE_API_TOKENS: the token of tenant {tenant!r} is shorter than {_MIN_TOKEN_CHARS} "
-                "characters; generate one with `python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
+                "characters; generate one with `python -c 'import secrets; print(secrets.token_hex(32))'`"
             )
         if token in table and table[token] != tenant:
             raise ValueError(

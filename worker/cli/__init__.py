@@ -632,13 +632,21 @@ def _api_answers(url: str) -> bool:
     return True
 
 
+def new_api_token() -> str:
+    """A fresh API token that is safe on a command line: hex, so never starting with '-'.
+
+    (A url-safe token starts with '-' one time in 64, and `--token -x...` is then read as an option.)
+    """
+    return secrets.token_hex(24)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     home: Path = args.home.resolve()
     for sub_dir in ("objects", "work", "inputs"):
         (home / sub_dir).mkdir(parents=True, exist_ok=True)
     token_file = home / "token"
     if not token_file.exists():
-        token_file.write_text(secrets.token_urlsafe(24))
+        token_file.write_text(new_api_token())
         token_file.chmod(0o600)
     token = token_file.read_text().strip()
     env = {**os.environ, **embedded_env(home, host=args.host, port=args.port, token=token)}
