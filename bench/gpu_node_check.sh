@@ -1,30 +1,61 @@
 #!/usr/bin/env bash
-# The one prepared GPU check of the node layer, for the `device` tool (one H200-class GPU, ~15 min of
-# device time in all). Installs nothing: it uses whatever python/torch the machine has (a CUDA build).
+# The one prepared GPU check, for the `device` tool (one H200-class GPU, ~15 min of device time in all,
+# one command of at most 10 min). Installs nothing: it uses the machine's python3 and its CUDA torch.
+# The image lacks PyAV (pipeline.inputs) and diffusers (the `wan` VAE): carry them as archives in
+# .gpu_py (the PyAV wheel is abi3, so the cp311 one runs under the machine's 3.12; unpacked there, both
+# are ~130 MB, over what travels), which this script unpacks to /tmp/gpu_py and puts after the repo:
 #
-#   run(command="bash bench/gpu_node_check.sh", timeout_s=540)
+#   mkdir -p .gpu_py && echo /.gpu_py/ >> .git/info/exclude
+#   pip download --no-deps av==18.1.0 -d .gpu_py            # or copy the wheel from the local index
+#   (cd "$(.venv/bin/python -c 'import site; print(site.getsitepackages()[0])')" &&
+#    zip -qr9 - diffusers importlib_metadata zipp -x '*__pycache__*') > .gpu_py/pkgs.zip
+#   run(command="bash bench/gpu_node_check.sh", carry=[".gpu_py"], timeout_s=590)
 #
 # 1. the GPU-marked tests of the node layer (parking into pinned memory, NCCL sharding, tiny switch);
-# 2. python -m bench.node --preset 1.3b --ranks 1 --json: A2V (1.3B-class DiT, 30 blocks, bf16) ->
-#    SR switch, all-resident vs parked. Figures go to $OUT/node_1.3b.json when $OUT is set.
-#
-# Expected (to be confirmed on the first lent GPU; not yet measured):
-#   * switch_overhead_ms per direction: < 10 ms (the target). With prefetch of the incoming model's
-#     first 2 blocks during the outgoing stage's last step, the visible part is only a stream wait;
-#     without it, it is the H2D copy of the root params + block 0 (1.3B: ~90 MB bf16 -> ~2-4 ms at
-#     25-50 GB/s pinned).
-#   * peak_bytes (cuda allocated) of the parked run below the resident run by about the SR model's
-#     size while A2V runs (and vice versa), i.e. parked peak ~ max(model) + activations.
-#   * stage_s / frames_per_s: equal within noise between resident and parked (copies overlap compute).
-set -euo pipefail
+# 2. python -m bench.node --preset 1.3b --ranks 1: A2V (1.3B-class DiT, 30 blocks, bf16) -> SR switch,
+#    all-resident vs parked;
+# 3. python -m bench.gpu_wan: the `wan` family's DiT / VAE / encoders at the 1.3B and 14B shapes on one
+#    GPU, random weights, 480p then 14B at 720p.
+# Each step has its own timeout and writes to $OUT (gpu_tests.log, node_1.3b.json, wan_480p.json,
+# wan_720p.json), so a step that runs long leaves the others' figures. STEPS picks some for a rerun
+# (default: STEPS=tests,node,wan480,wan720).
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 OUT=${OUT:-/tmp}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-"$PY" - <<'PY'
+if [ -d .gpu_py ]; then
+  mkdir -p /tmp/gpu_py
+  for a in .gpu_py/*.whl .gpu_py/*.zip; do [ -e "$a" ] && "$PY" -m zipfile -e "$a" /tmp/gpu_py; done
+  export PYTHONPATH="$PYTHONPATH:/tmp/gpu_py"
+fi
+export PYTHONUNBUFFERED=1
+STEPS=",${STEPS:-tests,node,wan480,wan720},"
+step() { [[ "$STEPS" == *",$1,"* ]]; }
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv 2>&1 | tee "$OUT/gpu.txt"
+"$PY" - <<'PY' 2>&1 | tee -a "$OUT/gpu.txt"
 import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")
+for name in ("av", "diffusers", "transformers", "numpy"):
+    try:
+        print(name, __import__(name).__version__)
+    except Exception as exc:  # noqa: BLE001 - report and go on
+        print(name, "missing:", exc)
 PY
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_node_gpu.py -x 2>&1 | tail -15 || echo "gpu tests failed (rc=$?)"
-timeout 280 "$PY" -m bench.node --preset 1.3b --ranks 1 --steps 4 --chunks 3 --json | tee "$OUT/node_1.3b.json"
+if step tests; then
+  timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_node_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  echo "gpu tests rc=${PIPESTATUS[0]}"
+fi
+if step node; then
+  timeout 110 "$PY" -m bench.node --preset 1.3b --ranks 1 --steps 4 --chunks 3 --json 2>&1 | tee "$OUT/node_1.3b.json"
+  echo "bench.node rc=${PIPESTATUS[0]}"
+fi
+if step wan480; then
+  timeout 200 "$PY" -m bench.gpu_wan --json --shapes 1.3b,14b --buckets 480p --repeats 2 2>&1 | tee "$OUT/wan_480p.json"
+  echo "gpu_wan 480p rc=${PIPESTATUS[0]}"
+fi
+if step wan720; then
+  timeout 240 "$PY" -m bench.gpu_wan --json --shapes 14b --buckets 720p --repeats 2 2>&1 | tee "$OUT/wan_720p.json"
+  echo "gpu_wan 720p rc=${PIPESTATUS[0]}"
+fi

@@ -115,6 +115,12 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.world_size must be >= 1, got {self.world_size}")
         if self.device_type not in ("cuda", "cpu"):
             raise ValueError(f"EngineConfig.device_type must be 'cuda' or 'cpu', got {self.device_type!r}")
+        for name, loader in self.loaders.items():
+            if not callable(loader):  # else each rank fails at start with "'str' object is not callable"
+                raise TypeError(
+                    f"EngineConfig.loaders[{name!r}] is {loader!r}, not a callable; pass the loader function "
+                    "itself (a module-level function or a functools.partial of one), not its import path"
+                )
 
 
 @dataclass(frozen=True)

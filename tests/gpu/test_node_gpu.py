@@ -36,7 +36,7 @@ def test_parking_frees_device_memory_and_restores_exactly() -> None:
 
 def test_nccl_sharded_equals_unsharded() -> None:
     ranks = min(2, torch.cuda.device_count())
-    loaders = {"dit": "tests.distributed.placement_support:load_sharded"}
+    loaders = {"dit": ps.load_sharded}
     with NodeEngine(EngineConfig(world_size=ranks, device_type="cuda", loaders=loaders)) as engine:
         out = engine.run(ps.job_forward, {"seed": 0}).value
     model = ps.build_model().to("cuda")

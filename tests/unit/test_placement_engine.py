@@ -25,6 +25,10 @@ def test_config_validation() -> None:
         EngineConfig(world_size=0)
     with pytest.raises(ValueError, match="device_type must be 'cuda' or 'cpu', got 'tpu'"):
         EngineConfig(device_type="tpu")
+    # an import path instead of the function failed only inside each rank ("'str' object is not callable")
+    with pytest.raises(TypeError, match=r"loaders\['dit'\] is 'tests.x:load', not a callable; pass the loader function"):
+        EngineConfig(loaders={"dit": "tests.x:load"})  # type: ignore[dict-item]
+    EngineConfig(loaders={"dit": job_name})  # any callable passes
 
 
 def test_error_codes() -> None:
