@@ -14,7 +14,10 @@ first :data:`SAMPLE_BYTES` of every tensor's data; any other file whole when it 
 spread evenly over it (``.pth`` / ``.bin`` weights). Retrained or fine-tuned weights change every
 element of the tensors they touch, so their first bytes change; the cost is one small read per tensor
 (the tiny checkpoint's 375: 1 ms), independent of the weights' size — a 14B release has a few
-thousand tensors, not 30 GB to hash.
+thousand tensors, not 30 GB to hash. Measured on a sparse replica of a Wan 14B release directory (7
+DiT shards with 1 400 tensors, the umT5 / CLIP / VAE ``.pth`` files, a tokenizer; 44 GB apparent):
+9-14 ms from the page cache. From a cold disk it is ~1 500 small random reads (not measured; at
+0.1-1 ms a read, 0.15-1.5 s once per node, then cached for the other ranks' and modules' calls).
 
 Content, not path or mtime: the same release copied to another node (or downloaded there again) has
 the same identity, so a job retried on another worker still resumes; a file replaced in place with
