@@ -43,19 +43,14 @@ for name in ("av", "diffusers", "transformers", "numpy"):
     except Exception as exc:  # noqa: BLE001 - report and go on
         print(name, "missing:", exc)
 PY
-if step tests; then
-  timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_node_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
-  echo "gpu tests rc=${PIPESTATUS[0]}"
-fi
-if step node; then
-  timeout 110 "$PY" -m bench.node --preset 1.3b --ranks 1 --steps 4 --chunks 3 --json 2>&1 | tee "$OUT/node_1.3b.json"
-  echo "bench.node rc=${PIPESTATUS[0]}"
-fi
-if step wan480; then
-  timeout 200 "$PY" -m bench.gpu_wan --json --shapes 1.3b,14b --buckets 480p --repeats 2 2>&1 | tee "$OUT/wan_480p.json"
-  echo "gpu_wan 480p rc=${PIPESTATUS[0]}"
-fi
-if step wan720; then
-  timeout 240 "$PY" -m bench.gpu_wan --json --shapes 14b --buckets 720p --repeats 2 2>&1 | tee "$OUT/wan_720p.json"
-  echo "gpu_wan 720p rc=${PIPESTATUS[0]}"
-fi
+run_step() {  # name, timeout in seconds, file under $OUT, command...
+  local name=$1 secs=$2 out=$3
+  shift 3
+  step "$name" || return 0
+  timeout "$secs" "$@" 2>&1 | tee "$OUT/$out"
+  echo "$name rc=${PIPESTATUS[0]}"
+}
+run_step tests 120 gpu_tests.log "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_node_gpu.py
+run_step node 110 node_1.3b.json "$PY" -m bench.node --preset 1.3b --ranks 1 --steps 4 --chunks 3 --json
+run_step wan480 200 wan_480p.json "$PY" -m bench.gpu_wan --json --shapes 1.3b,14b --buckets 480p --repeats 2
+run_step wan720 240 wan_720p.json "$PY" -m bench.gpu_wan --json --shapes 14b --buckets 720p --repeats 2
