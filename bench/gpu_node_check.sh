@@ -11,7 +11,8 @@
 #    zip -qr9 - diffusers importlib_metadata zipp -x '*__pycache__*') > .gpu_py/pkgs.zip
 #   run(command="bash bench/gpu_node_check.sh", carry=[".gpu_py"], timeout_s=590)
 #
-# 1. the GPU-marked tests of the node layer (parking into pinned memory, NCCL sharding, tiny switch);
+# 1. the GPU-marked tests: the node layer (parking into pinned memory, NCCL sharding, tiny switch) and
+#    both families rendering end to end on CUDA against the same render on the CPU (tests/gpu);
 # 2. python -m bench.node --preset 1.3b --ranks 1: A2V (1.3B-class DiT, 30 blocks, bf16) -> SR switch,
 #    all-resident vs parked;
 # 3. python -m bench.gpu_wan: the `wan` family's DiT / VAE / encoders at the 1.3B and 14B shapes on one
@@ -50,7 +51,7 @@ run_step() {  # name, timeout in seconds, file under $OUT, command...
   timeout "$secs" "$@" 2>&1 | tee "$OUT/$out"
   echo "$name rc=${PIPESTATUS[0]}"
 }
-run_step tests 120 gpu_tests.log "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_node_gpu.py
+run_step tests 180 gpu_tests.log "$PY" -m pytest -q -s -p no:cacheprovider tests/gpu
 run_step node 110 node_1.3b.json "$PY" -m bench.node --preset 1.3b --ranks 1 --steps 4 --chunks 3 --json
 run_step wan480 200 wan_480p.json "$PY" -m bench.gpu_wan --json --shapes 1.3b,14b --buckets 480p --repeats 2
 run_step wan720 240 wan_720p.json "$PY" -m bench.gpu_wan --json --shapes 14b --buckets 720p --repeats 2
