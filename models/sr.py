@@ -7,7 +7,8 @@ latent (identity). With ``SRConfig.ref_window_radius`` > 0 a second, full-resolu
 hr latent cell attends to the reference latent's cells around its own position
 (:class:`ReferenceWindowAttention`) and a small conv turns what it read into a further residual, so
 detail the low-res latent lost (glasses, earrings, the eyes) can be copied from the reference cell by
-cell instead of through 64 patch tokens. Every frame is processed on its own (frames are folded into
+cell instead of through 64 patch tokens; ``SRConfig.ref_window_layers`` > 1 repeats that step, each reading
+the reference again from the latent the previous one corrected. Every frame is processed on its own (frames are folded into
 the batch), so chunking never changes the output and frames can be batched freely.
 """
 
@@ -101,10 +102,18 @@ class SRDiT(nn.Module):
         )
         self.norm_out = nn.LayerNorm(d, eps=cfg.eps)
         self.head = nn.Linear(d, c * p * p)
-        self.ref_window = (
-            ReferenceWindowAttention(c, cfg.ref_window_dim, cfg.ref_window_hidden, cfg.ref_window_radius)
-            if cfg.ref_window_radius > 0 else None
-        )
+        if cfg.ref_window_layers < 1:
+            raise ValueError(f"SRConfig.ref_window_layers={cfg.ref_window_layers}: must be >= 1 (ref_window_radius=0 "
+                             "turns the reference window off)")
+
+        def window() -> ReferenceWindowAttention:
+            return ReferenceWindowAttention(c, cfg.ref_window_dim, cfg.ref_window_hidden, cfg.ref_window_radius)
+
+        # the first step keeps its own name (``ref_window.*``: the keys of the checkpoints that had one step);
+        # further steps each start as a no-op, so a checkpoint with fewer steps warm-starts this one
+        self.ref_window = window() if cfg.ref_window_radius > 0 else None
+        self.ref_window_more = nn.ModuleList(
+            [window() for _ in range(cfg.ref_window_layers - 1)] if cfg.ref_window_radius > 0 else [])
 
     def embed_reference(self, ref_BCHW: Tensor) -> Tensor:
         """Reference tokens ``(B, M, D)``; depend only on the reference, so a caller may compute them once."""
@@ -131,4 +140,6 @@ class SRDiT(nn.Module):
         z = up + unpatchify(self.head(self.norm_out(x)), p, C, H, W)
         if self.ref_window is not None:
             z = self.ref_window(z, ref_BCHW)
+        for step in self.ref_window_more:
+            z = step(z, ref_BCHW)
         return z.reshape(B, T, C, H, W).transpose(1, 2)

@@ -185,6 +185,37 @@ def test_sr_reference_window_reads_the_reference_near_each_cell(preset: ModelPre
     assert float(moved[6:].max()) == 0.0  # rows 6.. are more than 5 cells from (0, 0)
 
 
+def test_sr_more_reference_window_steps_grow_from_a_one_step_checkpoint(tmp_path: Path, preset: ModelPreset) -> None:
+    """``ref_window_layers`` 2: a second window step after the first. A one-step checkpoint loads into it
+    with ``allow_missing=GROWN_PARTS`` and computes exactly what it computed (the new step starts as a
+    no-op); strict loads still name the missing step; trained, the second step changes the output."""
+    import dataclasses
+
+    from models.checkpoint import GROWN_PARTS
+
+    one = SRDiT(dataclasses.replace(preset.sr, ref_window_layers=1)).eval()
+    torch.manual_seed(2)
+    with torch.no_grad():  # a trained-looking first step (its out conv is not zero)
+        for t in one.parameters():
+            t.add_(0.05 * torch.randn_like(t))
+    path = tmp_path / "one.safetensors"
+    save_checkpoint({"sr": one}, path)
+    two = SRDiT(dataclasses.replace(preset.sr, ref_window_layers=2)).eval()
+    assert len(two.ref_window_more) == 1 and preset.sr.ref_window_layers == 2  # tiny's since the seventh
+    with pytest.raises(CheckpointError, match=r"missing key.*sr\.ref_window_more\.0\."):
+        load_checkpoint({"sr": two}, path)
+    load_checkpoint({"sr": two}, path, allow_missing=GROWN_PARTS)
+    g = torch.Generator().manual_seed(3)
+    lr = torch.randn(2, preset.sr.channels, 3, *preset.lr_latent_hw, generator=g)
+    ref = torch.randn(2, preset.sr.channels, *preset.hr_latent_hw, generator=g)
+    with torch.no_grad():
+        assert torch.equal(two(lr, ref), one(lr, ref))
+        torch.nn.init.normal_(two.ref_window_more[0].out.weight, std=0.1)
+        assert float((two(lr, ref) - one(lr, ref)).abs().max()) > 1e-3
+    with pytest.raises(ValueError, match="ref_window_layers=0"):
+        SRDiT(dataclasses.replace(preset.sr, ref_window_layers=0))
+
+
 # ---------------------------------------------------------------- DiT
 
 

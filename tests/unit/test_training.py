@@ -392,8 +392,9 @@ def test_a2v_and_sr_warm_start_from_a_shipped_checkpoint(cache: Path, tmp_path: 
 
 
 def test_sr_warm_starts_from_a_checkpoint_written_before_its_reference_window(cache: Path, tmp_path: Path) -> None:
-    """A file without ``sr.ref_window.*`` (the fourth checkpoint) warm-starts the SR and serves as an
-    assembly base: the window starts as a no-op, so the SR computes what the file's SR computed."""
+    """A file without ``sr.ref_window.*`` / ``sr.ref_window_more.*`` (the fourth checkpoint) warm-starts the
+    SR and serves as an assembly base: the window steps start as no-ops, so the SR computes what the
+    file's SR computed."""
     from safetensors.torch import load_file, save_file
 
     from models.checkpoint import save_checkpoint
@@ -404,7 +405,7 @@ def test_sr_warm_starts_from_a_checkpoint_written_before_its_reference_window(ca
     full = tmp_path / "full.safetensors"
     save_checkpoint(base_mods, full, metadata={"preset": "tiny"})
     old = tmp_path / "old.safetensors"
-    save_file({k: v for k, v in load_file(str(full)).items() if not k.startswith("sr.ref_window.")}, str(old),
+    save_file({k: v for k, v in load_file(str(full)).items() if not k.startswith("sr.ref_window")}, str(old),
               metadata={"preset": "tiny"})
     with pytest.raises(CheckpointError, match=r"missing key.*sr\.ref_window\."):
         load_checkpoint(build_modules(p), old)  # inference loads stay strict
@@ -418,7 +419,7 @@ def test_sr_warm_starts_from_a_checkpoint_written_before_its_reference_window(ca
     from models.sr import SRDiT
 
     plain = SRDiT(without).eval()
-    plain.load_state_dict({k: v for k, v in base_mods["sr"].state_dict().items() if not k.startswith("ref_window.")})
+    plain.load_state_dict({k: v for k, v in base_mods["sr"].state_dict().items() if not k.startswith("ref_window")})
     lr, ref = torch.randn(2, p.latent_channels, 3, *p.lr_latent_hw), torch.randn(2, p.latent_channels, *p.hr_latent_hw)
     with torch.no_grad():
         assert torch.equal(sr(lr, ref), plain(lr, ref))
