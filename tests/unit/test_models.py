@@ -6,6 +6,7 @@ frame indices (DiT), exact recovery by the sampler on a known flow, checkpoint r
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from torch import Tensor
 
 from models.audio import AudioEncoder
-from models.checkpoint import CheckpointError, build_modules, load_checkpoint, save_checkpoint
+from models.checkpoint import GROWN_PARTS, CheckpointError, build_modules, load_checkpoint, save_checkpoint
 from models.dit import A2VDiT
 from models.layers import count_parameters
 from models.presets import PRESETS, ModelPreset, get_preset
@@ -189,10 +190,6 @@ def test_sr_more_reference_window_steps_grow_from_a_one_step_checkpoint(tmp_path
     """``ref_window_layers`` 2: a second window step after the first. A one-step checkpoint loads into it
     with ``allow_missing=GROWN_PARTS`` and computes exactly what it computed (the new step starts as a
     no-op); strict loads still name the missing step; trained, the second step changes the output."""
-    import dataclasses
-
-    from models.checkpoint import GROWN_PARTS
-
     one = SRDiT(dataclasses.replace(preset.sr, ref_window_layers=1)).eval()
     torch.manual_seed(2)
     with torch.no_grad():  # a trained-looking first step (its out conv is not zero)
@@ -410,8 +407,6 @@ def test_checkpoint_errors(tmp_path: Path, preset: ModelPreset, mods: dict[str, 
 def test_large_preset_layout_runs_when_shrunk() -> None:
     """The 1.3b preset's layout (16 channels, lowres factor 2, non-square 480p latents) runs end to end
     with widths shrunk so the test stays small: catches shape bugs the tiny square preset cannot."""
-    import dataclasses
-
     p = get_preset("1.3b")
     dit_cfg = dataclasses.replace(
         p.dit, dim=48, num_layers=1, num_heads=2, ffn_dim=64, audio_token_dim=16, freq_dim=32
