@@ -11,12 +11,15 @@
 #    zip -qr9 - diffusers importlib_metadata zipp -x '*__pycache__*') > .gpu_py/pkgs.zip
 #   run(command="bash bench/gpu_node_check.sh", carry=[".gpu_py"], timeout_s=590)
 #
-# 1. the GPU-marked tests: the node layer (parking into pinned memory, NCCL sharding, tiny switch) and
-#    both families rendering end to end on CUDA against the same render on the CPU (tests/gpu);
+# 1. the GPU-marked tests: the node layer (parking into pinned memory, NCCL sharding, tiny switch),
+#    both families rendering end to end on CUDA against the same render on the CPU, and the A2V / SR
+#    trainers on CUDA against the CPU (tests/gpu);
 # 2. python -m bench.node --preset 1.3b --ranks 1: A2V (1.3B-class DiT, 30 blocks, bf16) -> SR switch,
 #    all-resident vs parked;
 # 3. python -m bench.gpu_wan: the `wan` family's DiT / VAE / encoders at the 1.3B and 14B shapes on one
 #    GPU, random weights, 480p then 14B at 720p.
+# (models/training/gpu_continue.sh trains the tiny A2V and SR on the same GPU; it can run beside step 1:
+#  `STEPS=tests bash bench/gpu_node_check.sh >/dev/null 2>&1 & bash models/training/gpu_continue.sh; wait`.)
 # Each step has its own timeout and writes to $OUT (gpu_tests.log, node_1.3b.json, wan_480p.json,
 # wan_720p.json), so a step that runs long leaves the others' figures. STEPS picks some for a rerun
 # (default: STEPS=tests,node,wan480,wan720).

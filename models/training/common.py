@@ -49,6 +49,13 @@ def step_generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + step) * 7 + stream)
 
 
+def on_device(batch: dict[str, torch.Tensor | None], device: torch.device) -> dict[str, torch.Tensor | None]:
+    """A training batch moved to the model's device. Batches are drawn on the CPU from the step's
+    generator (:func:`step_generator`), so a run draws the same samples on any device; on the CPU this
+    is a no-op."""
+    return {k: None if v is None else v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
 def git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,

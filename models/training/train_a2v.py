@@ -47,6 +47,7 @@ from models.training.common import (
     LossLog,
     cosine_lr,
     load_state,
+    on_device,
     save_state,
     setup_logging,
     step_generator,
@@ -160,16 +161,21 @@ class A2VBatcher:
 
 def flow_loss(dit: A2VDiT, audio: AudioEncoder, b: dict[str, torch.Tensor], gen: torch.Generator, shift: float,
               text: tuple[torch.Tensor, torch.Tensor] | None, mouth_weight: float = 0.0) -> torch.Tensor:
-    x0, known = b["x0"], b["known"]
-    B, C, T = x0.shape[:3]
+    # drawn on the CPU from the step's generator, then moved: the same samples on any device
+    dev = dit.head.weight.device
+    B = b["x0"].shape[0]
     u = torch.rand(B, generator=gen)
+    noise = torch.randn(b["x0"].shape, generator=gen).to(dev)
+    b = on_device({**b, "u": u}, dev)  # type: ignore[assignment]
+    x0, known, u = b["x0"], b["known"], b["u"]
+    T = x0.shape[2]
     t = shift * u / (1 + (shift - 1) * u)  # the sampler's shifted schedule
-    noise = torch.randn(x0.shape, generator=gen)
     tt = t[:, None, None, None, None]
     keep = known[:, None, :, None, None]
     x_t = torch.where(keep, b["ctx"], (1 - tt) * x0 + tt * noise)
     feats = audio(b["wave"], T)
-    text_B = (text[0].expand(B, -1, -1), text[1].expand(B, -1)) if text is not None else (None, None)
+    text_B = ((text[0].to(dev).expand(B, -1, -1), text[1].to(dev).expand(B, -1)) if text is not None
+              else (None, None))
     v = dit(x_t, t, known, b["frame_index"], b["ref"], feats, text_B[0], text_B[1])
     w = change_weights(x0, b["ref_lr"]) * (~known).float()[:, :, None, None]  # (B, T, h, w)
     if mouth_weight > 0.0:
@@ -214,19 +220,23 @@ def train_a2v(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes
               ema_max: float = 0.998, log_every: int = 20, save_every_s: float = 120.0,
               threads: int | None = None, anchor_noise: float | None = 0.05,
              init_from: Path | None = None, mouth_weight: float = 0.0,
-             heldout_dir: Path | None = None) -> dict[str, float]:
+             heldout_dir: Path | None = None, device: str = "cpu") -> dict[str, float]:
     """Train (or resume) for ``minutes`` of wall time in total; the state file holds model + EMA weights.
 
     ``init_from``: a fresh run starts from that checkpoint's A2V and audio encoder (its EMA weights)
     instead of the seeded init (:func:`~models.training.common.warm_start`). ``mouth_weight``: see the
     module's docstring; it needs a cache with mouth boxes. ``heldout_dir``: a latent cache of held-out
     identities (``train_all --stage heldout-cache``); the EMA weights' :func:`heldout_loss` is logged at
-    the start, at every save and at the end, and kept in the state (``heldout_loss_start`` / ``heldout_loss``)."""
+    the start, at every save and at the end, and kept in the state (``heldout_loss_start`` / ``heldout_loss``).
+    ``device``: where the models train (``cuda`` on a GPU machine); windows and noise are drawn on the
+    CPU from the step's generator either way (:func:`flow_loss`)."""
     if threads:
         torch.set_num_threads(threads)
     base = build_modules(preset, seed)
     dit, audio = base["a2v"], base["audio"]
     assert isinstance(dit, A2VDiT) and isinstance(audio, AudioEncoder)
+    dit.to(device)
+    audio.to(device)
     with torch.no_grad():  # start from a zero velocity head: stable first steps
         dit.head.weight.zero_()
         dit.head.bias.zero_()
@@ -248,6 +258,7 @@ def train_a2v(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes
                          "before they were kept): rebuild it with `models.training.train_all --stage cache`, "
                          "or pass --mouth-weight 0")
     st.extra["mouth_weight"] = mouth_weight
+    st.extra["batch_n"], st.extra["batch_i"] = batch_n, batch_i
     batcher = A2VBatcher(clips, preset, anchor_noise=anchor_noise)
     budget = Budget(minutes, st.elapsed_s)
     losses = LossLog(state_path.with_suffix(".jsonl"), "a2v")
@@ -313,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="where the models train: cpu, or cuda on a GPU machine")
+    p.add_argument("--batch-n", type=int, default=6, help="windows per step of the N / N0 / R kinds")
+    p.add_argument("--batch-i", type=int, default=16, help="windows per step of the I kind (short windows)")
     p.add_argument("--anchor-noise", default="0.05",
                    help="max noise on I anchors (no colour offset), or 'context' to corrupt them like N context")
     p.add_argument("--from", dest="from_checkpoint", type=Path, default=None,
@@ -335,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     out = train_a2v(get_preset(a.preset), a.cache_dir / "latents", a.cache_dir / "a2v_state.pt",
                     minutes=a.minutes, seed=a.seed, lr=a.lr, threads=a.threads,
                     anchor_noise=None if a.anchor_noise == "context" else float(a.anchor_noise),
-                    init_from=a.from_checkpoint, mouth_weight=a.mouth_weight, heldout_dir=a.heldout_cache)
+                    init_from=a.from_checkpoint, mouth_weight=a.mouth_weight, heldout_dir=a.heldout_cache,
+                    device=a.device, batch_n=a.batch_n, batch_i=a.batch_i)
     log.info("a2v done: %s", out)
     return 0
 

@@ -28,6 +28,7 @@ from models.training.common import (
     LossLog,
     cosine_lr,
     load_state,
+    on_device,
     save_state,
     setup_logging,
     step_generator,
@@ -78,13 +79,14 @@ def sr_batch(clips: LatentClips, lr_all: torch.Tensor, gen: torch.Generator, siz
 def sr_eval(sr: SRDiT, clips: LatentClips, lr_all: torch.Tensor, count: int = 64) -> float:
     """L1 of the SR output vs the hr latent on a fixed set of frames (clean low-res input)."""
     lr, hr, ref, _ = sr_batch(clips, lr_all, torch.Generator().manual_seed(4242), count, 0.0)
-    return float((sr(lr, ref) - hr).abs().mean())
+    b = on_device({"lr": lr, "hr": hr, "ref": ref}, next(sr.parameters()).device)
+    return float((sr(b["lr"], b["ref"]) - b["hr"]).abs().mean())
 
 
 def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes: float, seed: int = 0,
              batch: int = 16, lr: float = 1e-3, noise: float = 0.15, log_every: int = 20,
              save_every_s: float = 120.0, threads: int | None = None, detail_weight: float = 0.0,
-             feature_blur: float = 0.0, init_from: Path | None = None) -> dict[str, float]:
+             feature_blur: float = 0.0, init_from: Path | None = None, device: str = "cpu") -> dict[str, float]:
     """Train (or resume) until ``minutes`` of wall time in total; returns final figures.
 
     ``init_from``: a fresh run starts from that checkpoint's SR (its EMA weights) instead of bilinear
@@ -93,11 +95,15 @@ def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes:
     ``detail_weight`` > 0 multiplies each cell's change weight by ``1 + detail_weight * coverage`` of
     the face's small features (the latent cache's ``detail``; issue 15). ``feature_blur`` > 0: that share
     of each batch has its features washed out of the low-res input (:func:`blur_features`), so the SR
-    learns to restore them from the reference."""
+    learns to restore them from the reference.
+
+    ``device``: where the model trains (``cuda`` on a GPU machine); batches are drawn on the CPU from
+    the step's generator either way (:func:`~models.training.common.on_device`)."""
     if threads:
         torch.set_num_threads(threads)
     sr = build_modules(preset, seed)["sr"]
     assert isinstance(sr, SRDiT)
+    sr.to(device)
     with torch.no_grad():  # residual head starts at zero: the model starts as bilinear upsampling
         sr.head.weight.zero_()
         sr.head.bias.zero_()
@@ -124,6 +130,8 @@ def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes:
     while not budget.done():
         gen = step_generator(seed, st.step, 2)
         x, y, ref, detail = sr_batch(clips, lr_all, gen, batch, noise, feature_blur, cell_px)
+        b = on_device({"x": x, "y": y, "ref": ref, "detail": detail}, sr.head.weight.device)
+        x, y, ref, detail = b["x"], b["y"], b["ref"], b["detail"]
         for g in opt.param_groups:
             g["lr"] = cosine_lr(lr, budget.fraction)
         w = change_weights(y, ref)  # (B, 1, H, W)
@@ -147,6 +155,7 @@ def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes:
     st.extra["detail_weight"] = detail_weight
     st.extra["feature_blur"] = feature_blur
     st.extra["lr"] = lr
+    st.extra["batch"] = batch
     st.extra["eval_l1"] = sr_eval(ema.shadow["sr"], clips, lr_all)
     log.info("sr: eval L1 %.4f (bilinear start %.4f) after %d steps", st.extra["eval_l1"],
              st.extra["bilinear_l1"], st.step)
@@ -161,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="where the model trains: cpu, or cuda on a GPU machine")
+    p.add_argument("--batch", type=int, default=16, help="frames per step")
     p.add_argument("--lr", type=float, default=1e-3,
                    help="peak learning rate of the cosine schedule (a continuation of a trained SR: lower)")
     p.add_argument("--detail-weight", type=float, default=0.0,
@@ -173,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(a.cache_dir / "train.log")
     out = train_sr(get_preset(a.preset), a.cache_dir / "latents", a.cache_dir / "sr_state.pt", minutes=a.minutes,
                    seed=a.seed, lr=a.lr, threads=a.threads, detail_weight=a.detail_weight,
-                   feature_blur=a.feature_blur, init_from=a.from_checkpoint)
+                   feature_blur=a.feature_blur, init_from=a.from_checkpoint, device=a.device, batch=a.batch)
     log.info("sr done: %s", out)
     return 0
 
