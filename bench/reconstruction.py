@@ -30,12 +30,21 @@ from models.presets import ModelPreset, get_preset
 from models.training.common import REPO_ROOT
 
 
-def load_modules(checkpoint: Path | None = None, preset: str = "tiny") -> tuple[dict[str, torch.nn.Module], ModelPreset]:
+def load_modules(checkpoint: Path | None = None, preset: str = "tiny", vae_state: Path | None = None
+                 ) -> tuple[dict[str, torch.nn.Module], ModelPreset]:
+    """The preset's modules from ``checkpoint`` (default ``$LONGTAKE_EVAL_CHECKPOINT``, else the shipped
+    file), or with ``vae_state`` only the VAE, from a VAE training state (``train_vae``'s ``vae_state.pt``,
+    or ``vae_final.pt``): an autoencoder scored before anything is trained on its latents (the other
+    modules keep their seeded init, so only the ``vae`` chain means anything)."""
     p = get_preset(preset)
-    ckpt = checkpoint or Path(os.environ.get("LONGTAKE_EVAL_CHECKPOINT", "") or
-                              REPO_ROOT / "models" / "checkpoints" / f"{preset}.safetensors")
     mods = build_modules(p)
-    load_checkpoint(mods, ckpt)
+    if vae_state is not None:
+        blob = torch.load(vae_state, map_location="cpu", weights_only=False)
+        mods["vae"].load_state_dict(blob["modules"]["vae"] if "modules" in blob else blob)
+    else:
+        ckpt = checkpoint or Path(os.environ.get("LONGTAKE_EVAL_CHECKPOINT", "") or
+                                  REPO_ROOT / "models" / "checkpoints" / f"{preset}.safetensors")
+        load_checkpoint(mods, ckpt)
     for mod in mods.values():
         mod.eval()
     return mods, p
@@ -107,15 +116,21 @@ def _chains(mods: dict[str, torch.nn.Module], x: torch.Tensor, ref_z: torch.Tens
 
 @torch.inference_mode()
 def fidelity_bounds(num_identities: int = 20, seconds: float = 4.0, seed: int = 0,
-                    checkpoint: Path | None = None, chains: tuple[str, ...] = CHAINS) -> dict[str, object]:
+                    checkpoint: Path | None = None, chains: tuple[str, ...] = CHAINS,
+                    vae_state: Path | None = None) -> dict[str, object]:
     """``bench.fidelity`` over the chains' outputs of the ground-truth clips (the same identities,
     audio and statistics as ``bench.quality --fidelity``): ``{"vae": result, "sr": result}`` (the
-    ``chains`` asked for), each with its per-identity rows and aggregate (model / ground truth ratios)."""
+    ``chains`` asked for), each with its per-identity rows and aggregate (model / ground truth ratios).
+    ``vae_state``: score that VAE training state instead of a checkpoint's (:func:`load_modules`;
+    ``chains`` must then be ``("vae",)``)."""
+    if vae_state is not None and tuple(chains) != ("vae",):
+        raise ValueError(f"vae_state={vae_state}: only the vae chain can be scored without a checkpoint "
+                         f"(chains={chains!r}): pass chains=('vae',) (--chains vae)")
     from bench.fidelity import run_fidelity
     from models.avatars.dataset import AvatarRenderer
     from models.training.data import to_unit
 
-    mods, _ = load_modules(checkpoint)
+    mods, _ = load_modules(checkpoint, vae_state=vae_state)
 
     def chain_clip(name: str) -> Callable[[AvatarRenderer, np.ndarray], tuple[list[np.ndarray], list[int]]]:
         def clip(gt: AvatarRenderer, audio: np.ndarray) -> tuple[list[np.ndarray], list[int]]:
@@ -150,17 +165,22 @@ def main(argv: list[str] | None = None) -> int:
                         "to_lowres -> SR -> decode); vae alone scores an autoencoder whose SR was not trained on it")
     p.add_argument("--checkpoint", type=Path, default=None,
                    help="the checkpoint to score (default: $LONGTAKE_EVAL_CHECKPOINT, else the shipped one)")
+    p.add_argument("--vae-state", type=Path, default=None,
+                   help="--fidelity --chains vae: score this VAE training state (train_vae's vae_state.pt, or "
+                        "vae_final.pt) instead of a checkpoint's VAE, before anything is trained on its latents")
     a = p.parse_args(argv)
     chains = tuple(c.strip() for c in a.chains.split(",") if c.strip())
     if not chains or set(chains) - set(CHAINS):
         p.error(f"--chains {a.chains!r}: give one or more of {', '.join(CHAINS)}, comma-separated")
+    if a.vae_state is not None and (not a.fidelity or chains != ("vae",)):
+        p.error("--vae-state scores an autoencoder alone: use it with --fidelity --chains vae")
     torch.set_num_threads(a.threads)
     if not a.fidelity:
         print(json.dumps(reconstruction_report(a.seconds or 20.0, seed=a.seed, checkpoint=a.checkpoint)))
         return 0
     from bench.fidelity import markdown_table
 
-    result = fidelity_bounds(a.identities, a.seconds or 4.0, a.seed, a.checkpoint, chains)
+    result = fidelity_bounds(a.identities, a.seconds or 4.0, a.seed, a.checkpoint, chains, vae_state=a.vae_state)
     if a.markdown:
         for name, r in result.items():
             print(f"### {name}\n\n{markdown_table(r)}\n")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image, ImageFilter
 
 from bench.fidelity import (
@@ -240,7 +241,7 @@ def test_contact_sheet_layout(tmp_path: Path) -> None:
     assert img.shape[0] > 2 * 2 * 32 and img.shape[1] > 3 * 32
 
 
-def test_chain_upper_bounds_score_the_autoencoder_and_the_sr() -> None:
+def test_chain_upper_bounds_score_the_autoencoder_and_the_sr(tmp_path: Path) -> None:
     """bench.reconstruction --fidelity: the shipped checkpoint's encode -> decode and encode ->
     to_lowres -> SR -> decode of a ground-truth clip, scored like a model's clip; with a clip_fn
     that returns the ground truth itself every ratio is exactly 1."""
@@ -257,5 +258,18 @@ def test_chain_upper_bounds_score_the_autoencoder_and_the_sr() -> None:
     only = fidelity_bounds(num_identities=1, seconds=0.64, chains=("vae",))
     assert list(only) == ["vae"]
     assert only["vae"]["identities"][0]["model"]["ssim_head"] == pytest.approx(vae["model"]["ssim_head"])  # type: ignore[index]
+    # an autoencoder scored from its training state, before anything is trained on its latents: the
+    # shipped VAE written as train_vae's state file scores exactly as from the checkpoint
+    from bench.reconstruction import load_modules
+    from models.training.common import TrainState, save_state
+
+    shipped = load_modules()[0]["vae"]
+    save_state(tmp_path / "vae_state.pt", {"vae": shipped}, torch.optim.SGD(shipped.parameters(), lr=0.1),
+               TrainState(step=1))
+    alone = fidelity_bounds(num_identities=1, seconds=0.64, chains=("vae",), vae_state=tmp_path / "vae_state.pt")
+    assert alone["vae"]["identities"][0]["model"] == pytest.approx(  # type: ignore[index]
+        only["vae"]["identities"][0]["model"], nan_ok=True)  # type: ignore[index]
+    with pytest.raises(ValueError, match=r"only the vae chain.*--chains vae"):
+        fidelity_bounds(num_identities=1, seconds=0.64, vae_state=tmp_path / "vae_state.pt")
     with pytest.raises(ValueError, match="render_fn or clip_fn"):
         run_fidelity(1, 0.64, 0, None)
