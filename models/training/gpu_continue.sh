@@ -7,6 +7,8 @@
 #       carry=[".gpu_py"], timeout_s=590)
 #
 # 1. the VAE of $BASE is reused (`train_all --stage reuse-vae`): same latents, so its decoder stays valid;
+#    or, with VAE_STATE=FILE (train_vae's vae_state.pt of a new VAE, docs/quality.md), that VAE: new
+#    latents, so A2V and SR start from their seeded init and nothing is taken from $BASE;
 # 2. a latent cache of $CLIPS train clips and $HELDOUT held-out ones, built by $WORKERS CPU processes
 #    (960 clips: ~4x the CPU runs' 240 -- more identities for the longer training to see);
 # 3. train_a2v and train_sr side by side on the one GPU (tiny models: neither fills it), both warm-started
@@ -32,7 +34,17 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 mkdir -p "$OUT" "$D"
 log() { echo "[gpu_continue $(($(date +%s) - T0))s] $*" | tee -a "$OUT/gpu_continue.log"; }
 
-"$PY" -m models.training.train_all --stage reuse-vae --from "$BASE" --cache-dir "$D" || exit 1
+if [ -n "${VAE_STATE:-}" ]; then  # a new VAE: its latents are new, so nothing else of $BASE fits them
+  cp "$VAE_STATE" "$D/vae_state.pt" || exit 1
+  rm -f "$D/vae_final.pt"  # rescaled once here, not by each cache worker at the same time
+  "$PY" -c "import sys; from pathlib import Path; from models.presets import get_preset
+from models.training.train_all import final_vae; final_vae(get_preset(sys.argv[1]), Path(sys.argv[2]))" \
+    tiny "$D" || exit 1
+  FROM=()
+else
+  "$PY" -m models.training.train_all --stage reuse-vae --from "$BASE" --cache-dir "$D" || exit 1
+  FROM=(--from "$BASE")
+fi
 log "cache: $CLIPS train clips + $HELDOUT held-out, $WORKERS workers"
 pids=()
 for ((i = 0; i < WORKERS; i++)); do
@@ -49,11 +61,11 @@ log "cache built: $(ls "$D/latents" | wc -l) shards"
 minutes=$(python3 -c "print(max(0.5, ($DEADLINE - 40 - $(date +%s)) / 60))")
 log "training A2V and SR on $DEVICE for $minutes min each"
 # shellcheck disable=SC2086  # the argument lists are meant to split
-"$PY" -m models.training.train_a2v --device "$DEVICE" --threads 2 --minutes "$minutes" --from "$BASE" --cache-dir "$D" \
+"$PY" -m models.training.train_a2v --device "$DEVICE" --threads 2 --minutes "$minutes" "${FROM[@]}" --cache-dir "$D" \
   --heldout-cache "$D/heldout_latents" $A2V_ARGS >"$OUT/a2v.log" 2>&1 &
 a2v=$!
 # shellcheck disable=SC2086
-"$PY" -m models.training.train_sr --device "$DEVICE" --threads 2 --minutes "$minutes" --from "$BASE" --cache-dir "$D" \
+"$PY" -m models.training.train_sr --device "$DEVICE" --threads 2 --minutes "$minutes" "${FROM[@]}" --cache-dir "$D" \
   $SR_ARGS >"$OUT/sr.log" 2>&1 &
 sr=$!
 ( while kill -0 $a2v 2>/dev/null; do sleep 60; command -v nvidia-smi >/dev/null &&
@@ -66,5 +78,5 @@ tail -n 3 "$OUT/a2v.log" "$OUT/sr.log"
 cp "$D"/*.jsonl "$OUT/" 2>/dev/null
 [ $rc -eq 0 ] || exit 1
 "$PY" -m models.training.train_all --stage assemble --clips "$CLIPS" --clip-frames 24 --cache-dir "$D" \
-  --from "$BASE" --out "$OUT/tiny_gpu.safetensors" 2>&1 | tail -n 1
+  "${FROM[@]}" --out "$OUT/tiny_gpu.safetensors" 2>&1 | tail -n 1
 log "done: $(ls -la "$OUT/tiny_gpu.safetensors")"
