@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # Continue a shipped `tiny` checkpoint's A2V and SR on one GPU, within a wall-clock deadline, and
-# assemble the result: what the `device` tool's short leases allow (one command of at most 10 min).
+# assemble the result, within a short GPU lease (one command of at most 10 min):
 #
-#   run(command="bash models/training/gpu_continue.sh", timeout_s=590)      # or, beside the GPU check:
-#   run(command="STEPS=tests bash bench/gpu_node_check.sh & bash models/training/gpu_continue.sh; wait",
-#       carry=[".gpu_py"], timeout_s=590)
+#   bash models/training/gpu_continue.sh        # or beside the GPU check (docs/training.md "On a GPU"):
+#   STEPS=tests bash bench/gpu_node_check.sh >/dev/null 2>&1 & bash models/training/gpu_continue.sh; wait
 #
 # 1. the VAE of $BASE is reused (`train_all --stage reuse-vae`): same latents, so its decoder stays valid;
 #    or, with VAE_STATE=FILE (train_vae's vae_state.pt of a new VAE, docs/quality.md), that VAE: new
 #    latents, so A2V and SR start from their seeded init and nothing is taken from $BASE;
 # 2. a latent cache of $CLIPS train clips and $HELDOUT held-out ones, built by $WORKERS CPU processes
 #    (960 clips: ~4x the CPU runs' 240 -- more identities for the longer training to see);
-# 3. train_a2v and train_sr side by side on the one GPU (tiny models: neither fills it), both warm-started
-#    from $BASE, until $DEADLINE less the assembly's margin; the A2V logs its held-out flow loss;
-# 4. `train_all --stage assemble --from $BASE` writes $OUT/tiny_gpu.safetensors (the decoder is $BASE's:
-#    its chain fine-tune on the new SR runs on the CPU afterwards, docs/training.md).
+# 3. train_a2v and train_sr side by side on the one GPU (tiny models: neither fills it), warm-started
+#    from $BASE (without VAE_STATE), until $DEADLINE less the assembly's margin; the A2V logs its
+#    held-out flow loss;
+# 4. `train_all --stage assemble` writes $OUT/tiny_gpu.safetensors; its decoder is the VAE's (without
+#    VAE_STATE $BASE's): the chain fine-tune on the new SR runs on the CPU afterwards, docs/training.md.
 # Installs nothing: the machine's python3 with its CUDA torch. Logs and the checkpoint land in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -36,10 +36,7 @@ log() { echo "[gpu_continue $(($(date +%s) - T0))s] $*" | tee -a "$OUT/gpu_conti
 
 if [ -n "${VAE_STATE:-}" ]; then  # a new VAE: its latents are new, so nothing else of $BASE fits them
   cp "$VAE_STATE" "$D/vae_state.pt" || exit 1
-  rm -f "$D/vae_final.pt"  # rescaled once here, not by each cache worker at the same time
-  "$PY" -c "import sys; from pathlib import Path; from models.presets import get_preset
-from models.training.train_all import final_vae; final_vae(get_preset(sys.argv[1]), Path(sys.argv[2]))" \
-    tiny "$D" || exit 1
+  rm -f "$D/vae_final.pt"  # the cache workers rescale this VAE (train_all.final_vae), not an earlier one
   FROM=()
 else
   "$PY" -m models.training.train_all --stage reuse-vae --from "$BASE" --cache-dir "$D" || exit 1
@@ -58,7 +55,7 @@ pids+=($!)
 for p in "${pids[@]}"; do wait "$p" || { log "cache build failed"; exit 1; }; done
 log "cache built: $(ls "$D/latents" | wc -l) shards"
 
-minutes=$(python3 -c "print(max(0.5, ($DEADLINE - 40 - $(date +%s)) / 60))")
+minutes=$("$PY" -c "print(max(0.5, ($DEADLINE - 40 - $(date +%s)) / 60))")
 log "training A2V and SR on $DEVICE for $minutes min each"
 # shellcheck disable=SC2086  # the argument lists are meant to split
 "$PY" -m models.training.train_a2v --device "$DEVICE" --threads 2 --minutes "$minutes" "${FROM[@]}" --cache-dir "$D" \

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -52,7 +53,9 @@ SHARES = {"vae": 0.2, "a2v": 0.45, "sr": 0.15, "decoder": 0.1, "chain": 0.1}
 
 
 def final_vae(preset: ModelPreset, cache_dir: Path) -> CausalVAE:
-    """The trained, rescaled VAE (computed once from the VAE state, then read from ``vae_final.pt``)."""
+    """The trained, rescaled VAE (computed once from the VAE state, then read from ``vae_final.pt``).
+    The file is written atomically: cache workers started together each compute the same rescale, and
+    none reads another's half-written file."""
     path = cache_dir / "vae_final.pt"
     vae = CausalVAE(preset.vae)
     if path.is_file():
@@ -62,7 +65,9 @@ def final_vae(preset: ModelPreset, cache_dir: Path) -> CausalVAE:
         vae.load_state_dict(blob["modules"]["vae"])
         scales = finalize_vae(vae, preset)
         log.info("vae latent channel scales folded in: %s", [round(float(s), 4) for s in scales])
-        torch.save(vae.state_dict(), path)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        torch.save(vae.state_dict(), tmp)
+        os.replace(tmp, path)
     return vae.eval().requires_grad_(False)
 
 

@@ -130,7 +130,7 @@ def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes:
     while not budget.done():
         gen = step_generator(seed, st.step, 2)
         x, y, ref, detail = sr_batch(clips, lr_all, gen, batch, noise, feature_blur, cell_px)
-        b = on_device({"x": x, "y": y, "ref": ref, "detail": detail}, sr.head.weight.device)
+        b = on_device({"x": x, "y": y, "ref": ref, "detail": detail}, next(sr.parameters()).device)
         x, y, ref, detail = b["x"], b["y"], b["ref"], b["detail"]
         for g in opt.param_groups:
             g["lr"] = cosine_lr(lr, budget.fraction)
