@@ -112,6 +112,7 @@ def load_checkpoint(
     strict: bool = True,
     preset: str | None = None,
     allow_missing: tuple[str, ...] = (),
+    reshaped: list[str] | None = None,
 ) -> dict[str, str]:
     """Load the modules' weights from ``path``; returns the file's metadata.
 
@@ -123,6 +124,9 @@ def load_checkpoint(
     ``allow_missing``: key prefixes (``"sr.ref_window."``) the file may lack while everything else stays
     strict; those parameters keep the module's own values. For warm-starting a module that grew a part
     since the file was written (the part must start as a no-op, as ``SRDiT.ref_window`` does).
+    ``reshaped``: a list to collect the keys whose shape differs between file and module; given, such
+    keys are not an error and keep the module's own values (warm-starting a preset that changed a size,
+    e.g. the latent channels, whose other tensors still fit). Without it a shape mismatch always raises.
     """
     path = Path(path)
     if not path.is_file():
@@ -171,11 +175,15 @@ def load_checkpoint(
         if target is None or tensor is None:
             unexpected.append(key)
         elif tuple(target.shape) != tuple(tensor.shape):
+            if reshaped is not None:
+                reshaped.append(key)
+                continue
             mismatched.append(f"{key} (file {tuple(tensor.shape)}, model {tuple(target.shape)})")
         else:
             per_module[prefix][rest] = tensor
     for name, sd in expected.items():
-        missing.extend(f"{name}.{k}" for k in sd if k not in per_module[name])
+        missing.extend(f"{name}.{k}" for k in sd if k not in per_module[name]
+                       and f"{name}.{k}" not in (reshaped or ()))
     missing = [k for k in missing if not k.startswith(allow_missing)]
 
     problems = []

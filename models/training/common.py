@@ -103,7 +103,8 @@ def load_state(path: Path, modules: dict[str, nn.Module], opt: torch.optim.Optim
     return st
 
 
-def warm_start(modules: dict[str, nn.Module], checkpoint: Path, preset: str, state: TrainState) -> bool:
+def warm_start(modules: dict[str, nn.Module], checkpoint: Path, preset: str, state: TrainState, *,
+               reinit_reshaped: bool = False) -> bool:
     """Start a fresh run from a shipped checkpoint's weights instead of the seeded init.
 
     ``modules`` maps checkpoint module names (``a2v``, ``audio``, ``sr``) to the modules to fill; the
@@ -111,16 +112,22 @@ def warm_start(modules: dict[str, nn.Module], checkpoint: Path, preset: str, sta
     the assembled checkpoint's metadata). Returns whether it loaded weights (False: ``state`` is a
     resumed run that began from this checkpoint, its own weights stand). Raises on a resumed state
     that began elsewhere: resuming is never silently re-initialised. Parts a module gained after the
-    file was written (``models.checkpoint.GROWN_PARTS``) keep their no-op init."""
+    file was written (``models.checkpoint.GROWN_PARTS``) keep their no-op init. ``reinit_reshaped``:
+    tensors whose shape differs from the file's (the preset changed a size since, e.g. its latent
+    channels: the patch embeddings and the output head) keep the seeded init, the rest load; their
+    names go into ``state.init_from``. Without it a shape mismatch raises."""
     if state.step > 0:
         if not state.init_from.startswith(f"{checkpoint.name} "):
             raise ValueError(f"--from {checkpoint}: the training state to resume (step {state.step}) began from "
                              f"{state.init_from or 'the seeded init'}; drop --from to resume it, or delete the "
                              "state file to start over from the checkpoint")
         return False
-    meta = load_checkpoint(modules, checkpoint, preset=preset, allow_missing=GROWN_PARTS)
+    reshaped: list[str] | None = [] if reinit_reshaped else None
+    meta = load_checkpoint(modules, checkpoint, preset=preset, allow_missing=GROWN_PARTS, reshaped=reshaped)
     steps = ", ".join(f"{m}_steps {meta[f'{m}_steps']}" for m in modules if f"{m}_steps" in meta)
     state.init_from = f"{checkpoint.name} (git {meta.get('git_commit', '?')}{', ' + steps if steps else ''})"
+    if reshaped:
+        state.init_from += f"; seeded init kept for {len(reshaped)} reshaped tensors: {', '.join(reshaped)}"
     log.info("warm start from %s: %s", checkpoint, state.init_from)
     return True
 

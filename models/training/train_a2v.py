@@ -220,11 +220,13 @@ def train_a2v(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes
               ema_max: float = 0.998, log_every: int = 20, save_every_s: float = 120.0,
               threads: int | None = None, anchor_noise: float | None = 0.05,
              init_from: Path | None = None, mouth_weight: float = 0.0,
-             heldout_dir: Path | None = None, device: str = "cpu") -> dict[str, float]:
+             heldout_dir: Path | None = None, device: str = "cpu",
+              reinit_reshaped: bool = False) -> dict[str, float]:
     """Train (or resume) for ``minutes`` of wall time in total; the state file holds model + EMA weights.
 
     ``init_from``: a fresh run starts from that checkpoint's A2V and audio encoder (its EMA weights)
-    instead of the seeded init (:func:`~models.training.common.warm_start`). ``mouth_weight``: see the
+    instead of the seeded init (:func:`~models.training.common.warm_start`; ``reinit_reshaped``: tensors
+    whose shape changed since keep the seeded init). ``mouth_weight``: see the
     module's docstring; it needs a cache with mouth boxes. ``heldout_dir``: a latent cache of held-out
     identities (``train_all --stage heldout-cache``); the EMA weights' :func:`heldout_loss` is logged at
     the start, at every save and at the end, and kept in the state (``heldout_loss_start`` / ``heldout_loss``).
@@ -250,7 +252,8 @@ def train_a2v(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes
     opt = torch.optim.AdamW([p for m in train_mods.values() for p in m.parameters()], lr=lr, weight_decay=0.01,
                             betas=(0.9, 0.99))
     st = load_state(state_path, {**train_mods, "ema_a2v": ema.shadow["a2v"], "ema_audio": ema.shadow["audio"]}, opt)
-    if init_from is not None and warm_start(train_mods, init_from, preset.name, st):
+    if init_from is not None and warm_start(train_mods, init_from, preset.name, st,
+                                            reinit_reshaped=reinit_reshaped):
         ema = EMA(train_mods)  # the average starts at the loaded weights, not at the seeded init
     clips = LatentClips(cache_dir)
     if mouth_weight > 0.0 and clips.mouth_box is None:
@@ -331,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="max noise on I anchors (no colour offset), or 'context' to corrupt them like N context")
     p.add_argument("--from", dest="from_checkpoint", type=Path, default=None,
                    help="start from this checkpoint's A2V and audio encoder (a fresh state file only)")
+    p.add_argument("--reinit-reshaped", action="store_true",
+                   help="with --from: tensors whose shape differs from the checkpoint's (a preset with other latent "
+                        "channels: patch embeddings, head) keep the seeded init instead of failing; the rest load")
     p.add_argument("--heldout-cache", type=Path, default=None,
                    help="a held-out latent cache (train_all --stage heldout-cache): log the EMA's flow loss on it")
     p.add_argument("--score", type=Path, nargs="+", default=None, metavar="CKPT",
@@ -338,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mouth-weight", type=float, default=0.0,
                    help="extra loss weight on the cells of each frame's mouth box (1 + w * coverage)")
     a = p.parse_args(argv)
+    if a.reinit_reshaped and a.from_checkpoint is None:
+        p.error("--reinit-reshaped needs --from CHECKPOINT (it says which of that checkpoint's tensors to skip)")
     if a.score:
         if a.heldout_cache is None:
             p.error("--score needs --heldout-cache DIR (train_all --stage heldout-cache writes one)")
@@ -350,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                     minutes=a.minutes, seed=a.seed, lr=a.lr, threads=a.threads,
                     anchor_noise=None if a.anchor_noise == "context" else float(a.anchor_noise),
                     init_from=a.from_checkpoint, mouth_weight=a.mouth_weight, heldout_dir=a.heldout_cache,
-                    device=a.device, batch_n=a.batch_n, batch_i=a.batch_i)
+                    device=a.device, batch_n=a.batch_n, batch_i=a.batch_i, reinit_reshaped=a.reinit_reshaped)
     log.info("a2v done: %s", out)
     return 0
 

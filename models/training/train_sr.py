@@ -86,11 +86,13 @@ def sr_eval(sr: SRDiT, clips: LatentClips, lr_all: torch.Tensor, count: int = 64
 def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes: float, seed: int = 0,
              batch: int = 16, lr: float = 1e-3, noise: float = 0.15, log_every: int = 20,
              save_every_s: float = 120.0, threads: int | None = None, detail_weight: float = 0.0,
-             feature_blur: float = 0.0, init_from: Path | None = None, device: str = "cpu") -> dict[str, float]:
+             feature_blur: float = 0.0, init_from: Path | None = None, device: str = "cpu",
+             reinit_reshaped: bool = False) -> dict[str, float]:
     """Train (or resume) until ``minutes`` of wall time in total; returns final figures.
 
     ``init_from``: a fresh run starts from that checkpoint's SR (its EMA weights) instead of bilinear
-    upsampling (:func:`~models.training.common.warm_start`).
+    upsampling (:func:`~models.training.common.warm_start`; ``reinit_reshaped``: tensors whose shape
+    changed since keep the seeded init: the head at zero, the reference windows as no-ops).
 
     ``detail_weight`` > 0 multiplies each cell's change weight by ``1 + detail_weight * coverage`` of
     the face's small features (the latent cache's ``detail``; issue 15). ``feature_blur`` > 0: that share
@@ -123,7 +125,8 @@ def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes:
     losses = LossLog(state_path.with_suffix(".jsonl"), "sr")
     if "bilinear_l1" not in st.extra:
         st.extra["bilinear_l1"] = sr_eval(sr, clips, lr_all) if st.step == 0 else float("nan")
-    if init_from is not None and warm_start({"sr": sr}, init_from, preset.name, st):
+    if init_from is not None and warm_start({"sr": sr}, init_from, preset.name, st,
+                                            reinit_reshaped=reinit_reshaped):
         ema = EMA({"sr": sr})  # the average starts at the loaded weights, not at bilinear upsampling
         st.extra["init_l1"] = sr_eval(sr, clips, lr_all)
     last_save = budget.elapsed_s
@@ -180,11 +183,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="share of each batch whose low-res input has the face's features washed out (issue 15)")
     p.add_argument("--from", dest="from_checkpoint", type=Path, default=None,
                    help="start from this checkpoint's SR (a fresh state file only)")
+    p.add_argument("--reinit-reshaped", action="store_true",
+                   help="with --from: tensors whose shape differs from the checkpoint's (a preset with other latent "
+                        "channels: patch embeddings, head, reference windows) keep the seeded init; the rest load")
     a = p.parse_args(argv)
+    if a.reinit_reshaped and a.from_checkpoint is None:
+        p.error("--reinit-reshaped needs --from CHECKPOINT (it says which of that checkpoint's tensors to skip)")
     setup_logging(a.cache_dir / "train.log")
     out = train_sr(get_preset(a.preset), a.cache_dir / "latents", a.cache_dir / "sr_state.pt", minutes=a.minutes,
                    seed=a.seed, lr=a.lr, threads=a.threads, detail_weight=a.detail_weight,
-                   feature_blur=a.feature_blur, init_from=a.from_checkpoint, device=a.device, batch=a.batch)
+                   feature_blur=a.feature_blur, init_from=a.from_checkpoint, device=a.device, batch=a.batch,
+                   reinit_reshaped=a.reinit_reshaped)
     log.info("sr done: %s", out)
     return 0
 

@@ -392,6 +392,43 @@ def test_a2v_and_sr_warm_start_from_a_shipped_checkpoint(cache: Path, tmp_path: 
     assert meta["vae_chain_steps"] == "2"  # no decoder stage ran: the reused decoder's figures stay
 
 
+def test_warm_start_across_a_latent_channel_change(cache: Path, tmp_path: Path) -> None:
+    """--reinit-reshaped: a checkpoint of the preset with other latent channels warm-starts the A2V and
+    the SR. The tensors that read or write latents keep the seeded init (A2V head at zero, SR exactly
+    bilinear at start: its head at zero, its reference windows no-ops), every other tensor is the file's,
+    and the state names what was reinitialised. Without the flag the mismatch is an error."""
+    from models.checkpoint import save_checkpoint
+
+    p = small_preset()
+    c = p.latent_channels // 2
+    other = dataclasses.replace(p, latent_channels=c, dit=dataclasses.replace(p.dit, in_channels=c, ref_channels=c),
+                                sr=dataclasses.replace(p.sr, channels=c), vae=dataclasses.replace(p.vae, latent_channels=c))
+    base_mods = build_modules(other, seed=3)
+    base = tmp_path / "c4.safetensors"
+    save_checkpoint(base_mods, base, metadata={"preset": "tiny", "git_commit": "abc", "a2v_steps": "11"})
+    with pytest.raises(CheckpointError, match=r"shape mismatch.*a2v\.patch_embed\.weight"):
+        train_a2v(p, cache / "latents", tmp_path / "no.pt", minutes=0.0, init_from=base)
+    train_a2v(p, cache / "latents", tmp_path / "a2v.pt", minutes=0.0, init_from=base, reinit_reshaped=True)
+    blob = torch.load(tmp_path / "a2v.pt", weights_only=False)
+    want = ["a2v.head.bias", "a2v.head.weight", "a2v.patch_embed.weight", "a2v.ref_embed.weight"]  # file order
+    assert blob["state"]["init_from"] == ("c4.safetensors (git abc, a2v_steps 11); seeded init kept for 4 reshaped "
+                                          "tensors: " + ", ".join(want))
+    got, seeded, filed = blob["modules"]["ema_a2v"], build_modules(p, seed=0)["a2v"].state_dict(), base_mods["a2v"].state_dict()
+    for k, v in got.items():
+        if f"a2v.{k}" in want:
+            assert v.shape != filed[k].shape
+            assert torch.equal(v, torch.zeros_like(v) if k.startswith("head.") else seeded[k])
+        else:
+            assert torch.equal(v, filed[k]), k
+    assert _same_weights(blob["modules"]["ema_audio"], base_mods["audio"])
+    s = train_sr(p, cache / "latents", tmp_path / "sr.pt", minutes=0.0, init_from=base, reinit_reshaped=True)
+    assert s["init_l1"] == pytest.approx(s["bilinear_l1"], rel=1e-5)  # starts exactly as bilinear upsampling
+    sr_blob = torch.load(tmp_path / "sr.pt", weights_only=False)
+    assert "sr.ref_window.out.weight" in sr_blob["state"]["init_from"]
+    assert torch.equal(sr_blob["modules"]["ema_sr"]["blocks.0.attn.qkv.weight"],
+                       base_mods["sr"].state_dict()["blocks.0.attn.qkv.weight"])
+
+
 def test_sr_warm_starts_from_a_checkpoint_written_before_its_reference_window(cache: Path, tmp_path: Path) -> None:
     """A file without ``sr.ref_window.*`` / ``sr.ref_window_more.*`` (the fourth checkpoint) warm-starts the
     SR and serves as an assembly base: the window steps start as no-ops, so the SR computes what the
