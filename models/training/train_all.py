@@ -191,7 +191,8 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
         st_v = _state(cache_dir / "vae_state.pt")
         vae_meta = {"vae_steps": str(st_v.step), "vae_minutes": f"{st_v.elapsed_s / 60:.1f}",
                     "vae_heldout_psnr_db": f"{st_v.extra.get('heldout_psnr_db', float('nan')):.2f}",
-                    "vae_detail_weight": f"{st_v.extra.get('detail_weight', 0.0):g}"}
+                    "vae_detail_weight": f"{st_v.extra.get('detail_weight', 0.0):g}",
+                    "vae_kl_weight": f"{st_v.extra.get('kl_weight', 1e-5):g}"}
     meta = {
         "preset": preset.name,
         "seed": str(seed),

@@ -152,6 +152,7 @@ def train_vae(preset: ModelPreset, state_path: Path, *, minutes: float, seed: in
     vae.eval()
     st.elapsed_s = budget.elapsed_s
     st.extra["detail_weight"] = detail_weight
+    st.extra["kl_weight"] = kl_weight
     if eval_frames:
         st.extra["heldout_psnr_db"] = heldout_psnr(vae, heldout_frames(eval_frames, preset.height))
         log.info("vae: held-out PSNR %.2f dB after %d steps", st.extra["heldout_psnr_db"], st.step)
@@ -259,11 +260,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--detail-weight", type=float, default=0.0,
                    help="extra loss weight on the face's small features (issue 15; 0: plain means)")
+    p.add_argument("--kl-weight", type=float, default=1e-5,
+                   help="weight of the latent's KL term (larger: a smoother latent the A2V predicts more easily, "
+                        "bench.latent_stats; docs/quality.md)")
     a = p.parse_args(argv)
     setup_logging(a.cache_dir / "train.log")
     out = train_vae(get_preset(a.preset), a.cache_dir / "vae_state.pt", minutes=a.minutes, seed=a.seed,
                     batch=a.batch, crop=a.crop, lr=a.lr, threads=a.threads,
-                    detail_weight=a.detail_weight)
+                    detail_weight=a.detail_weight, kl_weight=a.kl_weight)
     log.info("vae done: %s", out)
     return 0
 
