@@ -46,7 +46,8 @@ def latent_stats(hr_NTChw: torch.Tensor, ref_NChw: torch.Tensor) -> dict[str, fl
 
 
 def pooled(parts: list[dict[str, float]]) -> dict[str, float]:
-    """Pool :func:`latent_stats` sums into the std-normalised figures (``STATS``) plus ``channels``-free counts."""
+    """Pool :func:`latent_stats` sums of several batches into the figures of ``STATS`` (the latents' std,
+    then each mean absolute difference divided by it)."""
     tot = {k: sum(p[k] for p in parts) for k in parts[0]}
     mean = tot["sum"] / tot["n"]
     std = max(tot["sum_sq"] / tot["n"] - mean * mean, 0.0) ** 0.5

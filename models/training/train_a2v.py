@@ -221,7 +221,7 @@ def train_a2v(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes
               threads: int | None = None, anchor_noise: float | None = 0.05,
              init_from: Path | None = None, mouth_weight: float = 0.0,
              heldout_dir: Path | None = None, device: str = "cpu",
-              reinit_reshaped: bool = False) -> dict[str, float]:
+             reinit_reshaped: bool = False) -> dict[str, float]:
     """Train (or resume) for ``minutes`` of wall time in total; the state file holds model + EMA weights.
 
     ``init_from``: a fresh run starts from that checkpoint's A2V and audio encoder (its EMA weights)
