@@ -445,8 +445,9 @@ def pipeline_clip(render_fn: RenderFnLike, seconds: float) -> ClipFn:
 
 def run_fidelity(num_identities: int, seconds: float, seed: int, render_fn: RenderFnLike | None,
                  sheet: Path | None = None, log_fn: Callable[[str], None] | None = None, *,
-                 clip_fn: ClipFn | None = None) -> dict[str, object]:
-    """For held-out identities ``0 .. num_identities - 1`` (seeds 1 000 000 + K): held-out speech of
+                 clip_fn: ClipFn | None = None, first: int = 0) -> dict[str, object]:
+    """For held-out identities ``first .. first + num_identities - 1`` (seeds 1 000 000 + K; ``first``
+    > 0 scores identities a setting was not chosen on): held-out speech of
     ``seconds`` (seed ``seed + K``), the model's clip (``render_fn`` with I chunks, or ``clip_fn``:
     e.g. ``bench.reconstruction``'s chain upper bounds) and the generator's clip of the same
     identity and audio (motion seed ``seed + 17``, as ``bench.quality --ground-truth``), both scored
@@ -465,8 +466,11 @@ def run_fidelity(num_identities: int, seconds: float, seed: int, render_fn: Rend
     times = sheet_times(n)
     rows: list[dict[str, object]] = []
     shown: list[tuple[str, np.ndarray, list[np.ndarray], list[np.ndarray]]] = []
-    for k in range(num_identities):
-        ident = IDENTITY_SPLITS["heldout"][0] + k
+    lo, hi = IDENTITY_SPLITS["heldout"]
+    if first < 0 or num_identities < 1 or lo + first + num_identities > hi:
+        raise ValueError(f"held-out identities {first}..{first + num_identities - 1}: there are {hi - lo} (0..{hi - lo - 1})")
+    for k in range(first, first + num_identities):
+        ident = lo + k
         gt = AvatarRenderer(ident, motion_seed=seed + 17)
         audio = normalize_loudness(heldout_speech(seconds, seed + k))
         truth_meter, truths, gt_frames = FidelityMeter(gt), [], []

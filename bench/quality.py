@@ -441,6 +441,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--fidelity", action="store_true", help="identity fidelity (bench.fidelity) over "
                    "--identities held-out identities, model / ground-truth ratios")
     p.add_argument("--identities", type=int, default=20, help="fidelity: held-out identities 0..N-1 (default 20)")
+    p.add_argument("--first-identity", type=int, default=0,
+                   help="fidelity: score held-out identities K..K+N-1 instead (default 0), e.g. to confirm a "
+                        "setting chosen on 0..19 on faces and voices it was not chosen on")
     p.add_argument("--seconds", type=float, default=4.0, help="fidelity: clip length in seconds (default 4)")
     p.add_argument("--sheet", help="write a contact sheet PNG (reference, ground truth, model at several "
                    "times); implies --fidelity")
@@ -464,12 +467,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main_fidelity(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     from bench.fidelity import markdown_table, run_fidelity
+    from models.avatars.dataset import IDENTITY_SPLITS
 
     if args.identities < 1 or args.seconds <= 0:
         p.error(f"--identities {args.identities} --seconds {args.seconds}: need >= 1 identity and > 0 s")
+    lo, hi = IDENTITY_SPLITS["heldout"]
+    if not 0 <= args.first_identity <= hi - lo - args.identities:
+        p.error(f"--first-identity {args.first_identity}: the held-out identities are 0..{hi - lo - 1}, so K "
+                f"must be in [0, {hi - lo - args.identities}] for --identities {args.identities}")
     render_fn = _load_render_fn(args.render_fn)
     result = run_fidelity(args.identities, args.seconds, args.seed, render_fn,
-                          Path(args.sheet) if args.sheet else None, log_fn=lambda m: print(m, file=sys.stderr))
+                          Path(args.sheet) if args.sheet else None, log_fn=lambda m: print(m, file=sys.stderr),
+                          first=args.first_identity)
     result["mode"] = "fidelity"
     if args.sheet:
         result["sheet"] = args.sheet

@@ -273,3 +273,21 @@ def test_chain_upper_bounds_score_the_autoencoder_and_the_sr(tmp_path: Path) -> 
         fidelity_bounds(num_identities=1, seconds=0.64, vae_state=tmp_path / "vae_state.pt")
     with pytest.raises(ValueError, match="render_fn or clip_fn"):
         run_fidelity(1, 0.64, 0, None)
+
+
+def test_run_fidelity_from_another_first_identity() -> None:
+    """``first`` scores held-out identities first.. (bench.quality --first-identity): the identity
+    seeds and voices of K = first.., the same figures as the same K scored from 0."""
+    seen: list[float] = []  # the voices heard
+
+    def clip(gt: AvatarRenderer, audio: np.ndarray) -> tuple[list[np.ndarray], list[int]]:
+        seen.append(float(np.abs(audio).sum()))
+        return [f for f, _ in gt.stream(audio, num_frames=8)], [4]
+
+    both = run_fidelity(2, 0.32, 0, None, clip_fn=clip)
+    second = run_fidelity(1, 0.32, 0, None, clip_fn=clip, first=1)
+    assert [r["identity_seed"] for r in both["identities"]] == [1_000_000, 1_000_001]
+    assert second["identities"] == both["identities"][1:] and seen[2] == seen[1] != seen[0]
+    for first, n in ((-1, 1), (999, 2)):
+        with pytest.raises(ValueError, match="held-out identities"):
+            run_fidelity(n, 0.32, 0, None, clip_fn=clip, first=first)
