@@ -6,6 +6,13 @@ and the model predicts ``v = noise - x0``; Euler integrates from t = 1 (noise) t
 
 Known frames (context for N chunks, anchors for I chunks) are reset to their clean values before every
 model call and in the result, so they come back bit-exact.
+
+Starting from a prior (``start`` < 1): the unknown frames start at flow time ``start`` on the straight
+line from a caller-given guess ``prior`` to the noise, ``(1 - start) prior + start noise``, and the
+same number of steps covers ``[start, 0]`` (the shifted curve cut at ``start``). This is SDEdit's
+start (Meng et al., 2022) in flow-matching form: the guess fixes what the first, noisiest steps
+would otherwise draw at random (for the A2V: where the head and its features sit), the rest of the
+steps draw the detail. ``start`` = 1 is the plain sampler, bit for bit.
 """
 
 from __future__ import annotations
@@ -25,9 +32,13 @@ class FlowMatchEulerSampler:
         self.num_steps = num_steps
         self.shift = shift
 
-    def timesteps(self) -> Tensor:
-        """``num_steps + 1`` float32 times from 1 to 0: ``t' = shift t / (1 + (shift - 1) t)``, t uniform."""
-        t = torch.linspace(1.0, 0.0, self.num_steps + 1, dtype=torch.float64)
+    def timesteps(self, start: float = 1.0) -> Tensor:
+        """``num_steps + 1`` float32 times from ``start`` to 0: ``t' = shift t / (1 + (shift - 1) t)``, t
+        uniform from the ``t`` whose ``t'`` is ``start`` (``start`` = 1: from 1)."""
+        if not 0.0 < start <= 1.0:
+            raise ValueError(f"start={start}: must be in (0, 1] (the flow time sampling starts at; 1 = pure noise)")
+        u0 = start / (self.shift - (self.shift - 1.0) * start)
+        t = torch.linspace(u0, 0.0, self.num_steps + 1, dtype=torch.float64)
         return (self.shift * t / (1.0 + (self.shift - 1.0) * t)).float()
 
     def sample(
@@ -36,11 +47,14 @@ class FlowMatchEulerSampler:
         noise_BCThw: Tensor,
         known_BCThw: Tensor,
         known_BT: Tensor,
+        prior_BCThw: Tensor | None = None,
+        start: float = 1.0,
     ) -> Tensor:
-        """Euler from t = 1 to 0; ``velocity_fn(x_BCThw, t_B) -> v_BCThw``. Returns the x0 estimate.
+        """Euler from t = ``start`` to 0; ``velocity_fn(x_BCThw, t_B) -> v_BCThw``. Returns the x0 estimate.
 
         ``known_BCThw`` holds the clean latents at the frames where ``known_BT`` is True (other frames
-        are ignored).
+        are ignored). With ``start`` < 1 the unknown frames start at ``(1 - start) prior_BCThw + start
+        noise_BCThw`` (``prior_BCThw`` required, the shape of the noise).
         """
         if noise_BCThw.shape != known_BCThw.shape:
             raise ValueError(
@@ -49,9 +63,15 @@ class FlowMatchEulerSampler:
         B, _, T = noise_BCThw.shape[:3]
         if known_BT.shape != (B, T):
             raise ValueError(f"known_BT {tuple(known_BT.shape)} must be (B, T) = {(B, T)}")
+        ts = self.timesteps(start).to(noise_BCThw.device)
+        x_start = noise_BCThw
+        if start < 1.0:
+            if prior_BCThw is None or prior_BCThw.shape != noise_BCThw.shape:
+                got = None if prior_BCThw is None else tuple(prior_BCThw.shape)
+                raise ValueError(f"start={start} < 1 needs prior_BCThw of shape {tuple(noise_BCThw.shape)}, got {got}")
+            x_start = torch.lerp(prior_BCThw, noise_BCThw, ts[0].to(noise_BCThw.dtype))
         keep = known_BT.to(torch.bool)[:, None, :, None, None]
-        x = torch.where(keep, known_BCThw, noise_BCThw)
-        ts = self.timesteps().to(noise_BCThw.device)
+        x = torch.where(keep, known_BCThw, x_start)
         for i in range(self.num_steps):
             t, t_next = ts[i], ts[i + 1]
             v = velocity_fn(x, t.expand(B).to(noise_BCThw.dtype))

@@ -308,6 +308,43 @@ def test_sampler_recovers_x0_and_keeps_known_frames() -> None:
     torch.testing.assert_close(out[~keep], x0[~keep], atol=1e-5, rtol=0)
 
 
+def test_sampler_from_a_prior_starts_on_its_line_to_the_noise() -> None:
+    s = FlowMatchEulerSampler(5, 3.0)
+    assert torch.equal(s.timesteps(1.0), s.timesteps())  # start 1: the plain schedule, bit for bit
+    ts = s.timesteps(0.6)
+    assert ts.shape == (6,) and ts[-1] == 0.0 and (ts[1:] < ts[:-1]).all()
+    torch.testing.assert_close(ts[0], torch.tensor(0.6))
+    # the same shifted curve, cut at 0.6: every time of the cut schedule solves t' = 3t / (1 + 2t)
+    # for a t on a uniform grid from the t of 0.6
+    u = ts.double() / (3.0 - 2.0 * ts.double())
+    torch.testing.assert_close(u[1:] - u[:-1], torch.full((5,), -float(u[0]) / 5, dtype=torch.float64))
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="start="):
+            s.timesteps(bad)
+
+    g = torch.Generator().manual_seed(7)
+    x0, noise, prior, clean = (torch.randn(1, 3, 4, 2, 2, generator=g) for _ in range(4))
+    known = torch.tensor([[True, False, False, False]])
+    first: list[Tensor] = []
+
+    def velocity(x: Tensor, t_B: Tensor) -> Tensor:  # the exact velocity towards x0
+        if not first:
+            first.append(x.clone())
+        return (x - x0) / t_B[:, None, None, None, None]
+
+    out = s.sample(velocity, noise, clean, known, prior, 0.6)
+    start = 0.4 * prior + 0.6 * noise
+    torch.testing.assert_close(first[0][:, :, 1:], start[:, :, 1:])  # unknown frames: on the line
+    assert torch.equal(first[0][:, :, :1], clean[:, :, :1]) and torch.equal(out[:, :, :1], clean[:, :, :1])
+    torch.testing.assert_close(out[:, :, 1:], x0[:, :, 1:], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="needs prior_BCThw"):
+        s.sample(velocity, noise, clean, known, None, 0.6)
+    with pytest.raises(ValueError, match="needs prior_BCThw"):
+        s.sample(velocity, noise, clean, known, prior[:, :, :2], 0.6)
+    # start 1 ignores the prior: the plain sampler's result
+    assert torch.equal(s.sample(velocity, noise, clean, known, prior, 1.0), s.sample(velocity, noise, clean, known))
+
+
 # ---------------------------------------------------------------- checkpoint
 
 

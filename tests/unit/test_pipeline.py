@@ -301,7 +301,7 @@ def test_audio_guidance_is_wired_and_off_means_one_forward(speech) -> None:  # t
     from pipeline.families.tiny import ports as P
 
     tiny = get_preset("tiny")
-    assert tiny.audio_guidance == 2.5
+    assert tiny.audio_guidance == 3.5
     request = RenderRequest(image=DEMO_IMAGE, audio=speech(0.64), seed=2)
     frames = {}
     for g in (1.0, 3.0):

@@ -1,4 +1,5 @@
-"""The tiny family's per-request options (``RenderRequest.options``): ``audio_guidance`` and ``steps``,
+"""The tiny family's per-request options (``RenderRequest.options``): ``audio_guidance``, ``steps`` and
+``start_noise``,
 checked by ``TinyFamily.options`` (the bound check wan uses, ``pipeline.model_family.check_option``)
 and read by the context and A2V stages at run time, so one warm pipeline serves every request."""
 
@@ -22,34 +23,42 @@ from pipeline.render import render
 from pipeline.request import RenderRequest
 
 TINY = FAMILIES.get("tiny")
+START = 0.6  # the tiny preset's start_noise and guidance (models/checkpoints/MODEL_CARD.md)
+GUIDANCE = 3.5
 
 
 def test_defaults_are_the_presets_values() -> None:
     p = get_preset("tiny")
-    assert TINY.options(p, {}) == {"audio_guidance": p.audio_guidance, "steps": p.num_steps} == {
-        "audio_guidance": 2.5, "steps": 5}
-    # the default follows the preset (a preset patched to guidance 1 / 8 steps defaults to them)
-    patched = dataclasses.replace(p, audio_guidance=1.0, num_steps=8)
-    assert TINY.options(patched, {}) == {"audio_guidance": 1.0, "steps": 8}
+    assert TINY.options(p, {}) == {"audio_guidance": p.audio_guidance, "steps": p.num_steps,
+                                   "start_noise": p.start_noise} == {
+        "audio_guidance": GUIDANCE, "steps": 5, "start_noise": START}
+    # the default follows the preset (a preset patched to guidance 1 / 8 steps / noise defaults to them)
+    patched = dataclasses.replace(p, audio_guidance=1.0, num_steps=8, start_noise=1.0)
+    assert TINY.options(patched, {}) == {"audio_guidance": 1.0, "steps": 8, "start_noise": 1.0}
     # values within the bounds, each as its option's type (an int option takes an integral float)
-    opts = TINY.options(p, {"audio_guidance": 2, "steps": 3.0})
-    assert opts == {"audio_guidance": 2.0, "steps": 3}
-    assert type(opts["audio_guidance"]) is float and type(opts["steps"]) is int
-    assert TINY.options(p, {"audio_guidance": 10, "steps": 50}) == {"audio_guidance": 10.0, "steps": 50}
-    assert TINY.options(p, {"audio_guidance": 1.0, "steps": 1}) == {"audio_guidance": 1.0, "steps": 1}
-    assert OPTION_BOUNDS == {"audio_guidance": (float, 1.0, 10.0), "steps": (int, 1, 50)}
+    opts = TINY.options(p, {"audio_guidance": 2, "steps": 3.0, "start_noise": 1})
+    assert opts == {"audio_guidance": 2.0, "steps": 3, "start_noise": 1.0}
+    assert type(opts["audio_guidance"]) is float and type(opts["steps"]) is int and type(opts["start_noise"]) is float
+    assert TINY.options(p, {"audio_guidance": 10, "steps": 50, "start_noise": 0.1}) == {
+        "audio_guidance": 10.0, "steps": 50, "start_noise": 0.1}
+    assert TINY.options(p, {"audio_guidance": 1.0, "steps": 1}) == {"audio_guidance": 1.0, "steps": 1,
+                                                                     "start_noise": START}
+    assert OPTION_BOUNDS == {"audio_guidance": (float, 1.0, 10.0), "steps": (int, 1, 50),
+                             "start_noise": (float, 0.1, 1.0)}
 
 
 @pytest.mark.parametrize(("key", "value"), [
     ("audio_guidance", 0.5), ("audio_guidance", 10.5), ("audio_guidance", "2"), ("audio_guidance", True),
     ("audio_guidance", math.nan), ("audio_guidance", math.inf), ("audio_guidance", None),
     ("steps", 0), ("steps", 51), ("steps", 2.5), ("steps", "5"), ("steps", True), ("steps", 10**400),
+    ("start_noise", 0.0), ("start_noise", 0.05), ("start_noise", 1.5), ("start_noise", math.nan), ("start_noise", "1"),
 ])
 def test_a_bad_value_names_the_key_value_bounds_and_default(key: str, value: object) -> None:
     with pytest.raises(InvalidInputError) as err:
         TINY.options(get_preset("tiny"), {key: value})  # type: ignore[dict-item]
     assert err.value.field == f"options.{key}"
-    bounds, default = {"audio_guidance": ("float in [1, 10]", "2.5"), "steps": ("int in [1, 50]", "5")}[key]
+    bounds, default = {"audio_guidance": ("float in [1, 10]", repr(GUIDANCE)), "steps": ("int in [1, 50]", "5"),
+                       "start_noise": ("float in [0.1, 1]", repr(START))}[key]
     assert str(err.value) == f"options.{key}={value!r}: must be {bounds} (preset 'tiny' default {default})"
 
 
@@ -57,7 +66,7 @@ def test_an_unknown_key_names_the_keys_tiny_takes() -> None:
     with pytest.raises(InvalidInputError) as err:  # wan's keys are not tiny's
         TINY.options(get_preset("tiny"), {"steps": 3, "text_guidance": 5.0})
     assert err.value.field == "options.text_guidance"
-    assert str(err.value) == "options.text_guidance: the tiny family takes ['audio_guidance', 'steps']"
+    assert str(err.value) == "options.text_guidance: the tiny family takes ['audio_guidance', 'start_noise', 'steps']"
 
 
 def test_wan_refuses_through_the_same_check() -> None:
@@ -119,10 +128,10 @@ def test_audio_guidance_reaches_the_context_and_a2v_stages(speech) -> None:  # t
     default, d = _render(request, warm)
     assert d.forwards and set(d.forwards) == {2}  # guided: audio and silence in one forward
     assert d.silent and all(isinstance(s, torch.Tensor) for s in d.silent)
-    explicit, _ = _render(dataclasses.replace(request, options={"audio_guidance": 2.5, "steps": 5}), warm)
+    explicit, _ = _render(dataclasses.replace(request, options={"audio_guidance": GUIDANCE, "steps": 5}), warm)
     assert np.array_equal(explicit, default)  # the defaults are the preset's: the same frames
 
-    # guidance 1 by request on the 2.5 preset: no silent half, one forward per sampler step, and the
+    # guidance 1 by request on the guided preset: no silent half, one forward per sampler step, and the
     # frames of a preset whose guidance is 1
     off, o = _render(dataclasses.replace(request, options={"audio_guidance": 1.0}), warm)
     assert o.silent and all(s is None for s in o.silent)
@@ -132,8 +141,8 @@ def test_audio_guidance_reaches_the_context_and_a2v_stages(speech) -> None:  # t
     preset_off, p = _render(request, unguided_preset)
     assert np.array_equal(off, preset_off) and set(p.forwards) == {1}
 
-    # guidance 2.5 by request on a preset with 1: the silence features are computed all the same
-    on, n = _render(dataclasses.replace(request, options={"audio_guidance": 2.5}), unguided_preset)
+    # the preset's guidance by request on a preset with 1: the silence features are computed all the same
+    on, n = _render(dataclasses.replace(request, options={"audio_guidance": GUIDANCE}), unguided_preset)
     assert n.silent and all(isinstance(s, torch.Tensor) for s in n.silent) and set(n.forwards) == {2}
     assert np.array_equal(on, default)
 
@@ -157,3 +166,40 @@ def test_steps_reach_the_sampler_with_batched_steps(speech) -> None:  # type: ig
     preset_three, _ = _render(dataclasses.replace(request, options={}),
                               _runtime(dataclasses.replace(get_preset("tiny"), num_steps=3)))
     assert np.array_equal(three, preset_three)
+
+
+def test_start_noise_reaches_the_sampler_and_1_is_the_plain_sampler(speech) -> None:  # type: ignore[no-untyped-def]
+    request = RenderRequest(image=DEMO_IMAGE, audio=speech(1.0), seed=4)  # N0 N1 I0 (batched: N0, N1, I0)
+    warm = _runtime()
+    default, d = _render(request, warm)
+    plain, q = _render(dataclasses.replace(request, options={"start_noise": 1.0}), warm)
+    assert len(q.forwards) == len(d.forwards)  # the same steps, from another time: the same cost
+    assert plain.shape == default.shape and not np.array_equal(plain, default)
+    # by request or by the preset: the same frames
+    preset_plain, _ = _render(request, _runtime(dataclasses.replace(get_preset("tiny"), start_noise=1.0)))
+    assert np.array_equal(plain, preset_plain)
+    explicit, _ = _render(dataclasses.replace(request, options={"start_noise": START}), warm)
+    assert np.array_equal(explicit, default)
+
+
+def test_the_prior_is_the_reference_for_n_and_the_anchors_line_for_i() -> None:
+    from pipeline.families.tiny.stages.a2v import step_prior
+    from pipeline.schedule import ChunkKind, ChunkPlan
+
+    steps = ChunkPlan(40, 16, 4, 4, reference_frame=True).steps
+    n1 = next(s for s in steps if s.kind is ChunkKind.N and s.index == 1)
+    i0 = next(s for s in steps if s.kind is ChunkKind.I and s.index == 0)
+    g = torch.Generator().manual_seed(3)
+    ref = torch.randn(1, 8, 1, 4, 4, generator=g)
+    last_n = torch.randn(1, 8, 16, 4, 4, generator=g)  # N_1's latents: the right anchor is its frame e
+    prev_last = torch.randn(1, 8, 1, 4, 4, generator=g)  # N_0's last frame: the left anchor
+    n_prior = step_prior(n1, ref, last_n, prev_last)
+    assert n_prior.shape == (1, 8, len(n1.window), 4, 4) and torch.equal(n_prior, ref.expand_as(n_prior))
+    i_prior = step_prior(i0, ref, last_n, prev_last)
+    T = len(i0.window)
+    assert T == 4 + 2 and i0.known == (i0.window.start, i0.window.stop - 1)
+    assert torch.equal(i_prior[:, :, :1], prev_last) and torch.allclose(i_prior[:, :, -1:], last_n[:, :, 4:5])
+    for i in range(T):
+        torch.testing.assert_close(i_prior[:, :, i : i + 1], prev_last + i / (T - 1) * (last_n[:, :, 4:5] - prev_last))
+    with pytest.raises(RuntimeError, match="anchors"):
+        step_prior(i0, ref, None, prev_last)

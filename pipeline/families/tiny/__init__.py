@@ -26,10 +26,12 @@ CHECKPOINT_DIR = Path(__file__).resolve().parents[3] / "models" / "checkpoints"
 OPTION_BOUNDS: OptionBounds = {
     "audio_guidance": (float, 1.0, 10.0),  # 1: no guidance (one DiT forward per sampler step, no silence)
     "steps": (int, 1, 50),  # the A2V's sampler steps
+    "start_noise": (float, 0.1, 1.0),  # the flow time sampling starts at, from a guess (1: pure noise)
 }
 """The request options of :meth:`TinyFamily.options` (``RenderRequest.options``), each defaulting to
-the preset's value (``ModelPreset.audio_guidance`` / ``num_steps``); models/checkpoints/MODEL_CARD.md
-measured the tiny preset at guidance 2 / 2.5 / 3 and 3 / 5 / 10 steps."""
+the preset's value (``ModelPreset.audio_guidance`` / ``num_steps`` / ``start_noise``);
+models/checkpoints/MODEL_CARD.md measured the tiny preset at guidance 2 / 2.5 / 3, 3 / 5 / 10 steps
+and start_noise 1 / 0.8 / 0.6 / 0.5 / 0.4 (with guidance 2.5 / 3 / 3.5)."""
 
 
 class TinyFamily(ModelFamily):
@@ -60,10 +62,12 @@ class TinyFamily(ModelFamily):
         return _model_preset(preset).audio.context_frames
 
     def options(self, preset: FamilyPreset, options: Mapping[str, str | int | float]) -> dict[str, str | int | float]:
-        """``audio_guidance`` and ``steps`` within :data:`OPTION_BOUNDS`; the preset's values otherwise.
+        """``audio_guidance``, ``steps`` and ``start_noise`` within :data:`OPTION_BOUNDS`; the preset's
+        values otherwise.
         The context stage computes silence features only when the request's guidance is not 1."""
         p = _model_preset(preset)
-        out: dict[str, str | int | float] = {"audio_guidance": p.audio_guidance, "steps": p.num_steps}
+        out: dict[str, str | int | float] = {"audio_guidance": p.audio_guidance, "steps": p.num_steps,
+                                             "start_noise": p.start_noise}
         for key, value in options.items():
             out[key] = check_option(self.name, p, key, value, out, OPTION_BOUNDS)
         return out

@@ -10,8 +10,16 @@ Audio guidance (the request's ``options["audio_guidance"]`` g != 1, default
 halves in one batched forward. Silence is a condition the model saw in every pause of its training
 speech, so it needs no condition dropout in training; the guidance amplifies what the audio changes —
 the mouth. The sampler (``models.sampler.FlowMatchEulerSampler``, the preset's shift) takes
-``options["steps"]`` steps (default ``ModelPreset.num_steps``); both are job values
-(``pipeline.ports.OPTIONS``, checked by ``TinyFamily.options``), read per step.
+``options["steps"]`` steps (default ``ModelPreset.num_steps``) from flow time ``options["start_noise"]``
+(default ``ModelPreset.start_noise``); all are job values (``pipeline.ports.OPTIONS``, checked by
+``TinyFamily.options``), read per step.
+
+Sampling from a guess (``start_noise`` < 1, :func:`step_prior`): an N chunk's unknown frames start
+from the reference's low-res latent, an I chunk's from the straight line between its two anchors,
+each noised to ``start_noise``. The A2V sees the reference in every N window (the reference slot)
+and still draws where the head and its features go from noise in the first steps; starting on the
+reference keeps them where the reference has them, and an I chunk that starts on the line between
+its anchors has no reason to leave it for a jump (models/checkpoints/MODEL_CARD.md, measured).
 
 Batched steps (:class:`~pipeline.stage.BatchedStage`): the pipeline may hand ``I_{k-1}`` and
 ``N_{k+1}`` over together; their windows are packed along T and sampled as one, each window
@@ -70,9 +78,15 @@ class A2VStage(BatchedStage):
         frame_index_BT = torch.tensor([list(step.window)], dtype=torch.long, device=device)
         options = values.get(P.OPTIONS)
         guidance, steps = float(options["audio_guidance"]), int(options["steps"])
+        start = float(options["start_noise"])
         silent = values.get_optional(P.AUDIO_FEATS_SILENT) if guidance != 1.0 else None
+        prior = None
+        if start < 1.0:
+            rolling = values.get(P.ROLLING) if step.kind is ChunkKind.I else None
+            prior = step_prior(step, values.get(P.REF_LOWRES), None if rolling is None else rolling.last_n,
+                               None if rolling is None else rolling.prev_last).to(noise.dtype).expand_as(noise)
         return _Window(step, noise, known, known_BT, frame_index_BT, values.get(P.AUDIO_FEATS), silent,
-                       values.get(P.REF_LATENT), values.get(P.A2V_CONTEXT), guidance, steps)
+                       values.get(P.REF_LATENT), values.get(P.A2V_CONTEXT), guidance, steps, start, prior)
 
     @torch.no_grad()
     def run_batch(self, prepared: Sequence[_Window]) -> list[dict[Port[Any], object]]:
@@ -91,9 +105,10 @@ class A2VStage(BatchedStage):
                                cat([w.audio for w in prepared], 1), first.context, silent, first.guidance,
                                windows=sizes if packed else None)
         sampler = FlowMatchEulerSampler(first.steps, self.shift)  # no weights: one per sampling is free
+        prior = None if first.prior is None else cat([w.prior for w in prepared if w.prior is not None], 2)  # all or none
         with self.timings.model("a2v"):
             x0 = sampler.sample(velocity, cat([w.noise for w in prepared], 2), cat([w.known for w in prepared], 2),
-                                known_BT)
+                                known_BT, prior, first.start)
         out: list[dict[Port[Any], object]] = []
         for w, x0_w in zip(prepared, torch.split(x0, list(sizes), dim=2) if packed else [x0], strict=True):
             g0 = w.step.generate.start - w.step.window.start
@@ -114,8 +129,10 @@ class _Window:
     silent: torch.Tensor | None
     ref: torch.Tensor  # job values: the same for every window
     context: tuple[torch.Tensor, torch.Tensor | None]
-    guidance: float  # the request's options: audio guidance, sampler steps
+    guidance: float  # the request's options: audio guidance, sampler steps, start time
     steps: int
+    start: float
+    prior: torch.Tensor | None  # the unknown frames' guess (start < 1), the window's shape
 
 
 def known_latents(step: ChunkStep, ref_lowres: torch.Tensor, last_n: torch.Tensor | None,
@@ -135,6 +152,23 @@ def known_latents(step: ChunkStep, ref_lowres: torch.Tensor, last_n: torch.Tenso
             e = len(step.generate)
             parts += [prev_last, last_n[:, :, e : e + 1]]
     return torch.cat(parts, dim=2)
+
+
+def step_prior(step: ChunkStep, ref_lowres: torch.Tensor, last_n: torch.Tensor | None,
+               prev_last: torch.Tensor | None) -> torch.Tensor:
+    """The guess sampling starts from (``start_noise`` < 1), ``(B, C, T_window, h, w)``: for an N
+    chunk the reference's low-res latent at every frame; for an I chunk the straight line from its left
+    anchor (``N_k``'s last frame) to its right one (``N_{k+1}``'s frame ``e``), window position ``i``
+    at ``i / (T - 1)`` of the way. Known positions are overwritten by the sampler."""
+    T = len(step.window)
+    if step.kind is ChunkKind.N:
+        return ref_lowres.expand(-1, -1, T, -1, -1)
+    if last_n is None or prev_last is None:
+        raise RuntimeError(f"{step.name} needs both anchors for its prior but the rolling state lacks one")
+    e = len(step.generate)
+    left, right = prev_last, last_n[:, :, e : e + 1]
+    w = torch.linspace(0.0, 1.0, T, dtype=left.dtype, device=left.device)[None, None, :, None, None]
+    return torch.lerp(left, right.to(left.dtype), w)
 
 
 def velocity_fn(dit: object, known_BT: torch.Tensor, frame_index_BT: torch.Tensor, ref: torch.Tensor,

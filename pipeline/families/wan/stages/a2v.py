@@ -38,7 +38,9 @@ NUM_TIMESTEPS = 1000
 class WanEulerSampler(FlowMatchEulerSampler):
     """Euler on upstream's grid (``linspace(1000, 1, n)`` and 0, shifted), in units of ``t / 1000``."""
 
-    def timesteps(self) -> Tensor:
+    def timesteps(self, start: float = 1.0) -> Tensor:
+        if start != 1.0:
+            raise ValueError(f"start={start}: the Wan sampler runs upstream's grid from pure noise (start 1)")
         t = torch.cat([torch.linspace(1.0, 1.0 / NUM_TIMESTEPS, self.num_steps, dtype=torch.float64),
                        torch.zeros(1, dtype=torch.float64)])
         return (self.shift * t / (1.0 + (self.shift - 1.0) * t)).float()
