@@ -180,10 +180,17 @@ class QualityMeter:
             if box is not None:
                 bx0, by0, bx1, by1 = box
                 mask[max(0, by0 - m // 2) : by1 + m // 2, max(0, bx0 - m // 2) : bx1 + m // 2] = False
-        mask = _erode(mask, int(0.025 * w))
-        if mask.sum() < 16:
-            raise ValueError(f"face_box={self.face_box}: leaves {int(mask.sum())} face pixels once the "
+        # a narrow face (hair low on the forehead) can lose all of it to the full erosion: erode less
+        # rather than refuse the face (the per-frame mask follows the face box's centre anyway)
+        r = int(0.025 * w)
+        eroded = _erode(mask, r)
+        while eroded.sum() < 16 and r > 0:
+            r -= 1
+            eroded = _erode(mask, r)
+        if eroded.sum() < 16:
+            raise ValueError(f"face_box={self.face_box}: leaves {int(eroded.sum())} face pixels once the "
                              "mouth and eyes are cut out; pass the face's box in frame pixels")
+        mask = eroded
         self._face_mask = mask
         self._ref_face_mean = self._ref[mask].mean(axis=0)
         self._face_centre = ((self.face_box[0] + self.face_box[2]) / 2, (self.face_box[1] + self.face_box[3]) / 2)

@@ -172,3 +172,23 @@ def test_cli_ground_truth_json(tmp_path: Path) -> None:
     assert out["frames"] == 300 and out["lipsync_r"] >= 0.95 and out["lipsync_offset_frames"] == 0
     assert out["drift_ratio"] <= 1.1
     assert (tmp_path / "q.png").exists()
+
+
+def test_a_narrow_face_is_scored_with_less_erosion() -> None:
+    """Held-out 27's face (hair low on the forehead, a narrow box) kept 13 skin pixels after the full
+    erosion and the meter refused it; it now erodes less, and faces that had enough keep their mask."""
+    from models.avatars.dataset import IDENTITY_SPLITS, AvatarRenderer
+
+    masks = {}
+    for k in (0, 27):
+        gt = AvatarRenderer(IDENTITY_SPLITS["heldout"][0] + k)
+        ref = gt.reference()
+        meter = QualityMeter(ref, gt.reference_mouth_box(), gt.reference_face_box(), gt.reference_eyes_box())
+        masks[k] = meter._face_mask
+        meter.add(ref)
+        assert meter.face_dist == [0.0]  # the reference against itself
+    assert masks[27].sum() >= 16 and masks[0].sum() > masks[27].sum()
+    ref = np.full((64, 64, 3), 128, np.uint8)
+    with pytest.raises(ValueError, match="face pixels"):  # a face that is all mouth still fails
+        QualityMeter(ref, mouth_box=(28, 36, 36, 44), face_box=(28, 36, 36, 44), fps=25)
+
