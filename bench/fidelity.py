@@ -443,6 +443,16 @@ def pipeline_clip(render_fn: RenderFnLike, seconds: float) -> ClipFn:
     return clip
 
 
+def check_heldout_range(first: int, num_identities: int) -> None:
+    """Raise ``ValueError`` unless held-out identities ``first .. first + num_identities - 1`` exist."""
+    from models.avatars.dataset import IDENTITY_SPLITS
+
+    lo, hi = IDENTITY_SPLITS["heldout"]
+    if first < 0 or num_identities < 1 or first + num_identities > hi - lo:
+        raise ValueError(f"held-out identities {first}..{first + num_identities - 1}: there are {hi - lo} "
+                         f"(0..{hi - lo - 1}), so the first must be in [0, {hi - lo - max(num_identities, 1)}]")
+
+
 def run_fidelity(num_identities: int, seconds: float, seed: int, render_fn: RenderFnLike | None,
                  sheet: Path | None = None, log_fn: Callable[[str], None] | None = None, *,
                  clip_fn: ClipFn | None = None, first: int = 0) -> dict[str, object]:
@@ -466,9 +476,8 @@ def run_fidelity(num_identities: int, seconds: float, seed: int, render_fn: Rend
     times = sheet_times(n)
     rows: list[dict[str, object]] = []
     shown: list[tuple[str, np.ndarray, list[np.ndarray], list[np.ndarray]]] = []
-    lo, hi = IDENTITY_SPLITS["heldout"]
-    if first < 0 or num_identities < 1 or lo + first + num_identities > hi:
-        raise ValueError(f"held-out identities {first}..{first + num_identities - 1}: there are {hi - lo} (0..{hi - lo - 1})")
+    check_heldout_range(first, num_identities)
+    lo = IDENTITY_SPLITS["heldout"][0]
     for k in range(first, first + num_identities):
         ident = lo + k
         gt = AvatarRenderer(ident, motion_seed=seed + 17)

@@ -473,15 +473,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main_fidelity(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
-    from bench.fidelity import markdown_table, run_fidelity
-    from models.avatars.dataset import IDENTITY_SPLITS
+    from bench.fidelity import check_heldout_range, markdown_table, run_fidelity
 
     if args.identities < 1 or args.seconds <= 0:
         p.error(f"--identities {args.identities} --seconds {args.seconds}: need >= 1 identity and > 0 s")
-    lo, hi = IDENTITY_SPLITS["heldout"]
-    if not 0 <= args.first_identity <= hi - lo - args.identities:
-        p.error(f"--first-identity {args.first_identity}: the held-out identities are 0..{hi - lo - 1}, so K "
-                f"must be in [0, {hi - lo - args.identities}] for --identities {args.identities}")
+    try:
+        check_heldout_range(args.first_identity, args.identities)
+    except ValueError as exc:
+        p.error(f"--first-identity {args.first_identity} --identities {args.identities}: {exc}")
     render_fn = _load_render_fn(args.render_fn)
     result = run_fidelity(args.identities, args.seconds, args.seed, render_fn,
                           Path(args.sheet) if args.sheet else None, log_fn=lambda m: print(m, file=sys.stderr),

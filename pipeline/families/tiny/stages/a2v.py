@@ -71,20 +71,18 @@ class A2VStage(BatchedStage):
         device = noise.device  # the step's tensors live where the latents do
         known_BT = torch.tensor([step.known_mask()], dtype=torch.bool, device=device)
         known = torch.zeros_like(noise)
+        ref_lowres = values.get(P.REF_LOWRES)
+        state = values.get(P.ROLLING) if step.known else None  # every step but a slot-less N0 reads it
+        last_n, prev_last = (None, None) if state is None else (state.last_n, state.prev_last)
         if step.known:
-            state = values.get(P.ROLLING)
             known[:, :, known_positions(step, device)] = known_latents(
-                step, values.get(P.REF_LOWRES), state.last_n, state.prev_last).to(noise.dtype)
+                step, ref_lowres, last_n, prev_last).to(noise.dtype)
         frame_index_BT = torch.tensor([list(step.window)], dtype=torch.long, device=device)
         options = values.get(P.OPTIONS)
         guidance, steps = float(options["audio_guidance"]), int(options["steps"])
         start = float(options["start_noise"])
         silent = values.get_optional(P.AUDIO_FEATS_SILENT) if guidance != 1.0 else None
-        prior = None
-        if start < 1.0:
-            rolling = values.get(P.ROLLING) if step.kind is ChunkKind.I else None
-            prior = step_prior(step, values.get(P.REF_LOWRES), None if rolling is None else rolling.last_n,
-                               None if rolling is None else rolling.prev_last).to(noise.dtype).expand_as(noise)
+        prior = None if start >= 1.0 else step_prior(step, ref_lowres, last_n, prev_last).to(noise.dtype).expand_as(noise)
         return _Window(step, noise, known, known_BT, frame_index_BT, values.get(P.AUDIO_FEATS), silent,
                        values.get(P.REF_LATENT), values.get(P.A2V_CONTEXT), guidance, steps, start, prior)
 
