@@ -183,8 +183,9 @@ def test_start_noise_reaches_the_sampler_and_1_is_the_plain_sampler(speech) -> N
 
 
 def test_the_prior_is_the_reference_for_n_and_the_anchors_line_for_i() -> None:
-    from pipeline.families.tiny.stages.a2v import step_prior
+    from pipeline.families.tiny.stages.a2v import known_latents, step_prior
     from pipeline.schedule import ChunkKind, ChunkPlan
+    from pipeline.stage_common import known_positions
 
     steps = ChunkPlan(40, 16, 4, 4, reference_frame=True).steps
     n1 = next(s for s in steps if s.kind is ChunkKind.N and s.index == 1)
@@ -193,13 +194,19 @@ def test_the_prior_is_the_reference_for_n_and_the_anchors_line_for_i() -> None:
     ref = torch.randn(1, 8, 1, 4, 4, generator=g)
     last_n = torch.randn(1, 8, 16, 4, 4, generator=g)  # N_1's latents: the right anchor is its frame e
     prev_last = torch.randn(1, 8, 1, 4, 4, generator=g)  # N_0's last frame: the left anchor
-    n_prior = step_prior(n1, ref, last_n, prev_last)
+
+    def window(step):  # type: ignore[no-untyped-def]  # the window with its known frames, as A2VStage.prepare builds it
+        known = torch.zeros(1, 8, len(step.window), 4, 4)
+        known[:, :, known_positions(step, known.device)] = known_latents(step, ref, last_n, prev_last)
+        return known
+
+    n_prior = step_prior(n1, ref, window(n1))
     assert n_prior.shape == (1, 8, len(n1.window), 4, 4) and torch.equal(n_prior, ref.expand_as(n_prior))
-    i_prior = step_prior(i0, ref, last_n, prev_last)
+    i_prior = step_prior(i0, ref, window(i0))
     T = len(i0.window)
     assert T == 4 + 2 and i0.known == (i0.window.start, i0.window.stop - 1)
     assert torch.equal(i_prior[:, :, :1], prev_last) and torch.allclose(i_prior[:, :, -1:], last_n[:, :, 4:5])
     for i in range(T):
         torch.testing.assert_close(i_prior[:, :, i : i + 1], prev_last + i / (T - 1) * (last_n[:, :, 4:5] - prev_last))
-    with pytest.raises(RuntimeError, match="anchors"):
-        step_prior(i0, ref, None, prev_last)
+    with pytest.raises(RuntimeError, match="anchors"):  # a window whose anchors are not at its ends
+        step_prior(dataclasses.replace(i0, known=(i0.window.start + 1, i0.window.stop - 1)), ref, window(i0))

@@ -71,18 +71,17 @@ class A2VStage(BatchedStage):
         device = noise.device  # the step's tensors live where the latents do
         known_BT = torch.tensor([step.known_mask()], dtype=torch.bool, device=device)
         known = torch.zeros_like(noise)
-        ref_lowres = values.get(P.REF_LOWRES)
-        state = values.get(P.ROLLING) if step.known else None  # every step but a slot-less N0 reads it
-        last_n, prev_last = (None, None) if state is None else (state.last_n, state.prev_last)
+        ref_lowres = values.get(P.REF_LOWRES).to(noise.dtype)
         if step.known:
+            state = values.get(P.ROLLING)
             known[:, :, known_positions(step, device)] = known_latents(
-                step, ref_lowres, last_n, prev_last).to(noise.dtype)
+                step, ref_lowres, state.last_n, state.prev_last).to(noise.dtype)
         frame_index_BT = torch.tensor([list(step.window)], dtype=torch.long, device=device)
         options = values.get(P.OPTIONS)
         guidance, steps = float(options["audio_guidance"]), int(options["steps"])
         start = float(options["start_noise"])
         silent = values.get_optional(P.AUDIO_FEATS_SILENT) if guidance != 1.0 else None
-        prior = None if start >= 1.0 else step_prior(step, ref_lowres, last_n, prev_last).to(noise.dtype).expand_as(noise)
+        prior = None if start >= 1.0 else step_prior(step, ref_lowres, known)
         return _Window(step, noise, known, known_BT, frame_index_BT, values.get(P.AUDIO_FEATS), silent,
                        values.get(P.REF_LATENT), values.get(P.A2V_CONTEXT), guidance, steps, start, prior)
 
@@ -103,7 +102,8 @@ class A2VStage(BatchedStage):
                                cat([w.audio for w in prepared], 1), first.context, silent, first.guidance,
                                windows=sizes if packed else None)
         sampler = FlowMatchEulerSampler(first.steps, self.shift)  # no weights: one per sampling is free
-        prior = None if first.prior is None else cat([w.prior for w in prepared if w.prior is not None], 2)  # all or none
+        priors = [w.prior for w in prepared if w.prior is not None]  # start_noise is the job's: all or none
+        prior = cat(priors, 2) if priors else None
         with self.timings.model("a2v"):
             x0 = sampler.sample(velocity, cat([w.noise for w in prepared], 2), cat([w.known for w in prepared], 2),
                                 known_BT, prior, first.start)
@@ -152,21 +152,20 @@ def known_latents(step: ChunkStep, ref_lowres: torch.Tensor, last_n: torch.Tenso
     return torch.cat(parts, dim=2)
 
 
-def step_prior(step: ChunkStep, ref_lowres: torch.Tensor, last_n: torch.Tensor | None,
-               prev_last: torch.Tensor | None) -> torch.Tensor:
-    """The guess sampling starts from (``start_noise`` < 1), ``(B, C, T_window, h, w)``: for an N
-    chunk the reference's low-res latent at every frame; for an I chunk the straight line from its left
-    anchor (``N_k``'s last frame) to its right one (``N_{k+1}``'s frame ``e``), window position ``i``
-    at ``i / (T - 1)`` of the way. Known positions are overwritten by the sampler."""
-    T = len(step.window)
+def step_prior(step: ChunkStep, ref_lowres: torch.Tensor, known_BCThw: torch.Tensor) -> torch.Tensor:
+    """The guess sampling starts from (``start_noise`` < 1), the window's shape: for an N chunk the
+    reference's low-res latent at every frame; for an I chunk the straight line between its two
+    anchors, the window's first and last frames in ``known_BCThw`` (the window with its known frames
+    in place, as :class:`A2VStage` builds it from :func:`known_latents`), position ``i`` at
+    ``i / (T - 1)`` of the way. Known positions are overwritten by the sampler."""
     if step.kind is ChunkKind.N:
-        return ref_lowres.expand(-1, -1, T, -1, -1)
-    if last_n is None or prev_last is None:
-        raise RuntimeError(f"{step.name} needs both anchors for its prior but the rolling state lacks one")
-    e = len(step.generate)
-    left, right = prev_last, last_n[:, :, e : e + 1]
-    w = torch.linspace(0.0, 1.0, T, dtype=left.dtype, device=left.device)[None, None, :, None, None]
-    return torch.lerp(left, right.to(left.dtype), w)
+        return ref_lowres.expand_as(known_BCThw)
+    mask = step.known_mask()
+    if not (mask[0] and mask[-1]):
+        raise RuntimeError(f"{step.name}: an I window's anchors must be its first and last frames, got {mask}")
+    T = known_BCThw.shape[2]
+    w = torch.linspace(0.0, 1.0, T, dtype=known_BCThw.dtype, device=known_BCThw.device)[None, None, :, None, None]
+    return torch.lerp(known_BCThw[:, :, :1], known_BCThw[:, :, -1:], w)
 
 
 def velocity_fn(dit: object, known_BT: torch.Tensor, frame_index_BT: torch.Tensor, ref: torch.Tensor,
