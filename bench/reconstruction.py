@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.quality import QualityMeter, heldout_speech
+from bench.quality import QualityMeter, heldout_speech, require_heldout_voices
 from models.avatars.dataset import FPS
 from models.checkpoint import build_modules, load_checkpoint
 from models.presets import ModelPreset, get_preset
@@ -174,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--chains {a.chains!r}: give one or more of {', '.join(CHAINS)}, comma-separated")
     if a.vae_state is not None and (not a.fidelity or chains != ("vae",)):
         p.error("--vae-state scores an autoencoder alone: use it with --fidelity --chains vae")
+    try:
+        require_heldout_voices()
+    except RuntimeError as exc:
+        p.error(str(exc))
     torch.set_num_threads(a.threads)
     if not a.fidelity:
         print(json.dumps(reconstruction_report(a.seconds or 20.0, seed=a.seed, checkpoint=a.checkpoint)))

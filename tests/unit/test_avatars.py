@@ -27,13 +27,11 @@ from models.avatars.speech import (
     SAMPLE_RATE,
     TRAIN_VOICES,
     SpeechSynth,
-    espeak_available,
     mouth_opening_track,
     parse_wav_bytes,
     speechlike_signal,
 )
-
-needs_espeak = pytest.mark.skipif(not espeak_available(), reason="espeak-ng is not installed")
+from tests.espeak import needs_espeak
 
 
 def test_identity_and_render_are_deterministic() -> None:

@@ -27,6 +27,7 @@ from bench.quality import chunk_boundaries, load_audio
 from models.avatars.dataset import AvatarRenderer, FrameTruth
 from models.avatars.face import ACCESSORY_STYLES, FaceRenderer, HeadPose
 from models.avatars.speech import speechlike_signal
+from tests.espeak import needs_espeak
 
 GLASSES, HAT = 1_000_000, 1_000_006  # held-out identities wearing glasses / a hat (no glasses)
 ORANGE = 1_000_014  # no accessories; orange-brown skin, sandy hair
@@ -211,6 +212,7 @@ def test_ratios_floors_and_aggregate() -> None:
     assert "| false_glasses | 0.4 | 0.0 |  |" in table and "| false_hat | 0.2 | 0.05 |  |" in table
 
 
+@needs_espeak
 def test_run_fidelity_with_a_perfect_model_and_the_sheet(tmp_path: Path) -> None:
     """render_fn renders the ground truth itself: every ratio is 1 and the sheet is written."""
 
@@ -241,6 +243,7 @@ def test_contact_sheet_layout(tmp_path: Path) -> None:
     assert img.shape[0] > 2 * 2 * 32 and img.shape[1] > 3 * 32
 
 
+@needs_espeak
 def test_chain_upper_bounds_score_the_autoencoder_and_the_sr(tmp_path: Path) -> None:
     """bench.reconstruction --fidelity: the shipped checkpoint's encode -> decode and encode ->
     to_lowres -> SR -> decode of a ground-truth clip, scored like a model's clip; with a clip_fn
@@ -275,6 +278,7 @@ def test_chain_upper_bounds_score_the_autoencoder_and_the_sr(tmp_path: Path) -> 
         run_fidelity(1, 0.64, 0, None)
 
 
+@needs_espeak
 def test_run_fidelity_from_another_first_identity() -> None:
     """``first`` scores held-out identities first.. (bench.quality --first-identity): the identity
     seeds and voices of K = first.., the same figures as the same K scored from 0."""

@@ -13,12 +13,15 @@ import numpy as np
 import pytest
 
 from bench.quality import (
+    HELDOUT_VOICES_AUDIO,
     QualityMeter,
     audio_envelope,
     chunk_boundaries,
     drift_ratio,
+    heldout_speech,
     lipsync,
     load_audio,
+    main,
     plot,
     run,
     seam_score,
@@ -27,6 +30,7 @@ from bench.quality import (
 from models.avatars.dataset import AvatarClip, AvatarRenderer, render_clip
 from models.avatars.face import measure_mouth_opening
 from models.avatars.speech import SAMPLE_RATE, SpeechSynth, speechlike_signal
+from tests.espeak import needs_espeak
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -128,6 +132,7 @@ def _args(**kw: object) -> argparse.Namespace:
     return argparse.Namespace(**base)
 
 
+@needs_espeak
 def test_model_mode_calls_render_fn_twice(tmp_path: Path) -> None:
     """The model path, driven by a render_fn that renders the ground truth (a perfect 'model' whose
     seams at the plan's boundaries are as good as any other frame)."""
@@ -144,7 +149,8 @@ def test_model_mode_calls_render_fn_twice(tmp_path: Path) -> None:
 
     out, series, bounds = run(_args(audio=None), render_fn=render_fn)
     assert calls == [True, False]
-    assert out["mode"] == "model" and out["lipsync_r"] > 0.9 and out["lipsync_offset_frames"] == 0
+    assert out["mode"] == "model" and out["audio"] == HELDOUT_VOICES_AUDIO
+    assert out["lipsync_r"] > 0.9 and out["lipsync_offset_frames"] == 0
     assert 0.7 < float(out["seam_score"]) < 1.4 and 0.7 < float(out["seam_score_without_i"]) < 1.4
     assert out["drift_ratio"] < 1.2
     plot(series, tmp_path / "p.png", "test")
@@ -170,8 +176,30 @@ def test_cli_ground_truth_json(tmp_path: Path) -> None:
                 "drift_background_ratio", "seam_score", "seam_score_without_i"):
         assert key in out
     assert out["frames"] == 300 and out["lipsync_r"] >= 0.95 and out["lipsync_offset_frames"] == 0
+    assert out["audio"] == str(tmp_path / "speech.wav")
     assert out["drift_ratio"] <= 1.1
     assert (tmp_path / "q.png").exists()
+
+
+def test_the_held_out_voices_are_espeak_or_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Without espeak-ng on PATH the benchmarks refuse (they once fell back silently to the
+    speech-like signal, and figures measured on it were published as the voices'): the library call
+    raises, and the CLI names the fix before rendering anything; --audio FILE needs no espeak-ng."""
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing on PATH
+    with pytest.raises(RuntimeError, match=r"espeak-ng.*apt-get install espeak-ng.*--audio FILE"):
+        heldout_speech(1.0)
+    for argv in (["--ground-truth", "--minutes", "0.05"], ["--fidelity", "--identities", "1"]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2 and "need espeak-ng, which is not on PATH" in capsys.readouterr().err
+    write_wav(tmp_path / "speech.wav", speechlike_signal(5, 3.0))
+    with pytest.raises(SystemExit) as exc:
+        main(["--fidelity", "--audio", str(tmp_path / "speech.wav")])
+    assert exc.value.code == 2 and "--fidelity and --sheet score every identity on its own held-out voices" \
+        in capsys.readouterr().err
+    assert main(["--json", "--ground-truth", "--minutes", "0.05", "--audio", str(tmp_path / "speech.wav")]) == 0
+    assert json.loads(capsys.readouterr().out)["audio"] == str(tmp_path / "speech.wav")
 
 
 def test_a_narrow_face_is_scored_with_less_erosion() -> None:
