@@ -287,7 +287,7 @@ HELDOUT_VOICES_AUDIO = "heldout-voices"  # the "audio" of a summary driven by he
 
 def require_heldout_voices() -> None:
     """Raise :class:`RuntimeError` unless ``espeak-ng`` is on PATH. The benchmarks score on the held-out
-    espeak-ng voices only: ``SpeechSynth``'s speech-like fallback drives the mouth differently (face 22
+    espeak-ng voices only: the speech-like signal drives the mouth differently (face 22
     reads 0.903 on it and 0.776 on the voices), so a figure measured on it is not the published one."""
     from models.avatars.speech import espeak_available
 
@@ -303,7 +303,7 @@ def heldout_speech(seconds: float, seed: int = 0) -> np.ndarray:
     from models.avatars.speech import SpeechSynth
 
     require_heldout_voices()
-    synth = SpeechSynth(use_espeak=True, cache_size=1)
+    synth = SpeechSynth(cache_size=1)
     parts, total, i = [], 0, 0
     while total < seconds * SAMPLE_RATE:
         utt = synth.utterance(seed * 100_003 + i, "heldout", min_seconds=4.0).audio

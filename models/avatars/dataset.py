@@ -217,7 +217,7 @@ class AvatarClipDataset:
 
     def __init__(self, split: str = "train", num_clips: int = 100_000, num_frames: int = 20, size: int = 256,
                  seed: int = 0, num_identities: int | None = None, fps: int = FPS,
-                 use_espeak: bool | None = None, speech_pool: int | None = 256) -> None:
+                 use_espeak: bool = True, speech_pool: int | None = 256) -> None:
         if split not in IDENTITY_SPLITS:
             raise ValueError(f"split={split!r}: must be one of {sorted(IDENTITY_SPLITS)}")
         self.split, self.num_clips, self.num_frames, self.size = split, num_clips, num_frames, size

@@ -185,16 +185,17 @@ class Utterance:
 class SpeechSynth:
     """Deterministic utterances from ``(seed, split)``; a small LRU cache avoids re-running espeak-ng.
 
-    ``split`` is ``"train"`` (TRAIN_VOICES) or ``"heldout"`` (HELDOUT_VOICES). ``use_espeak=None``
-    uses espeak-ng when it is installed and the speech-like fallback otherwise.
+    ``split`` is ``"train"`` (TRAIN_VOICES) or ``"heldout"`` (HELDOUT_VOICES). The voices need
+    ``espeak-ng`` on PATH and a synth refuses without it; ``use_espeak=False`` asks for the speech-like
+    fallback by name (tests of layout and determinism). There is no silent fallback: it once trained
+    and scored models on the fallback where the voices were meant, and the two drive a mouth differently.
     """
 
-    def __init__(self, use_espeak: bool | None = None, cache_size: int = 256) -> None:
-        if use_espeak is None:
-            use_espeak = espeak_available()
-        elif use_espeak and not espeak_available():
-            raise RuntimeError("use_espeak=True but espeak-ng is not on PATH: install espeak-ng "
-                               "(apt-get install espeak-ng) or pass use_espeak=None for the fallback")
+    def __init__(self, use_espeak: bool = True, cache_size: int = 256) -> None:
+        if use_espeak and not espeak_available():
+            raise RuntimeError("the espeak-ng voices need espeak-ng, which is not on PATH: install it "
+                               "(apt-get install espeak-ng; `make test` does), or pass use_espeak=False "
+                               "for the speech-like signal, which is not the voices")
         self.use_espeak = use_espeak
         self._cache: OrderedDict[tuple[int, str, float], Utterance] = OrderedDict()
         self._cache_size = cache_size

@@ -116,7 +116,7 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 def build_latent_cache(vae: CausalVAE, out_dir: Path, num_clips: int, clip_frames: int, *, split: str = "train",
                        seed: int = 0, shard_clips: int = 16, audio_context: int = 2,
                        num_identities: int | None = None, size: int = 256, worker: int = 0,
-                       num_workers: int = 1) -> list[Path]:
+                       num_workers: int = 1, synth: SpeechSynth | None = None) -> list[Path]:
     """Render ``num_clips`` speech clips of ``clip_frames`` frames, encode them, write shards.
 
     Each shard ``shard_XXXX.pt`` holds ``hr`` (n, T, C, 32, 32) float16 hr latents, ``ref`` (n, C, 32, 32)
@@ -128,9 +128,10 @@ def build_latent_cache(vae: CausalVAE, out_dir: Path, num_clips: int, clip_frame
     Existing shards are kept (resume).
     ``worker`` / ``num_workers``: this process builds shards ``s % num_workers == worker`` only (run
     several processes to build in parallel; the set of shards does not depend on the split).
+    ``synth``: the speech (default the espeak-ng voices, which refuse without espeak-ng on PATH).
     """
+    synth = synth or SpeechSynth()  # before any directory is made: a missing espeak-ng fails first
     out_dir.mkdir(parents=True, exist_ok=True)
-    synth = SpeechSynth()
     lo, hi = IDENTITY_SPLITS[split]
     span = hi - lo if num_identities is None else min(num_identities, hi - lo)
     paths = []

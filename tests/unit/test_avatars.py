@@ -3,6 +3,8 @@ measured from pixels."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -145,6 +147,30 @@ def test_espeak_utterances_deterministic_and_varied() -> None:
     assert u1.audio.size >= 4 * SAMPLE_RATE and u1.voice.split("+")[0] in TRAIN_VOICES
     voices = {s.utterance(i, "train").voice.split("+")[0] for i in range(12)}
     assert len(voices) >= 4
+
+
+def test_the_voices_refuse_without_espeak(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No silent fallback: without espeak-ng on PATH the synth, the dataset and the training cache
+    refuse, naming the fix; the speech-like signal is there only when asked for by name."""
+    import torch
+
+    from models.presets import get_preset
+    from models.training.data import build_latent_cache
+    from models.vae import CausalVAE
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    fix = r"espeak-ng, which is not on PATH: install it \(apt-get install espeak-ng.*use_espeak=False"
+    with pytest.raises(RuntimeError, match=fix):
+        SpeechSynth()
+    with pytest.raises(RuntimeError, match=fix):
+        render_clip(7, 3, 4, "train")
+    with pytest.raises(RuntimeError, match=fix):
+        AvatarClipDataset("train", num_clips=1, num_frames=4)[0]
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError, match=fix):
+        build_latent_cache(CausalVAE(get_preset("tiny").vae), tmp_path / "latents", 1, 4)
+    assert not (tmp_path / "latents").exists()
+    assert SpeechSynth(use_espeak=False).utterance(4).voice == "fallback"
 
 
 def test_parse_wav_rejects_garbage() -> None:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from models.avatars.speech import SpeechSynth
 from models.checkpoint import CheckpointError, build_modules, load_checkpoint
 from models.presets import ModelPreset, get_preset
 from models.training.common import load_state, step_generator
@@ -137,7 +138,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     vae = CausalVAE(p.vae).eval()
     torch.save(vae.state_dict(), d / "vae_final.pt")
     paths = build_latent_cache(vae, d / "latents", num_clips=3, clip_frames=1 + p.chunk_frames + p.context_frames,
-                               shard_clips=2, size=64)
+                               shard_clips=2, size=64, synth=SpeechSynth(use_espeak=False))
     assert [q.name for q in paths] == ["shard_0000.pt", "shard_0001.pt"]
     return d
 
