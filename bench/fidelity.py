@@ -464,8 +464,8 @@ def run_fidelity(num_identities: int, seconds: float, seed: int, render_fn: Rend
     by a :class:`FidelityMeter` on the model's seams. The sheet shows identity 0 and then the first
     identities wearing an accessory not shown yet (three at most). Model frames of one clip are held
     until scored (short clips: seconds).
-    Returns ``{"identities": [per identity], "aggregate": aggregate(...)}``."""
-    from bench.quality import heldout_speech, normalize_loudness
+    Returns ``{"identities": [per identity], "aggregate": aggregate(...), "audio": "heldout-voices", ...}``."""
+    from bench.quality import HELDOUT_VOICES_AUDIO, heldout_speech, normalize_loudness
     from models.avatars.dataset import FPS, IDENTITY_SPLITS
 
     if clip_fn is None:
@@ -507,7 +507,8 @@ def run_fidelity(num_identities: int, seconds: float, seed: int, render_fn: Rend
             log_fn(f"identity {ident} {accs}: {rows[-1]['ratio']}" + (f"; model's {drawn}" if drawn else ""))
     if sheet is not None:
         contact_sheet(shown, times, sheet)
-    return {"seconds": seconds, "frames_per_clip": n, "identities": rows, "aggregate": aggregate(rows)}
+    return {"seconds": seconds, "frames_per_clip": n, "audio": HELDOUT_VOICES_AUDIO, "identities": rows,
+            "aggregate": aggregate(rows)}
 
 
 def markdown_table(result: dict[str, object]) -> str:

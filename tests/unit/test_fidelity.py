@@ -226,6 +226,7 @@ def test_run_fidelity_with_a_perfect_model_and_the_sheet(tmp_path: Path) -> None
 
     out = run_fidelity(1, 1.0, 0, render_fn, sheet=tmp_path / "sheet.png")
     (row,) = out["identities"]
+    assert out["audio"] == "heldout-voices"
     assert row["identity_seed"] == GLASSES and row["accessories"] == ["glasses"]
     # the 'model' hears the 16-bit WAV, the ground truth the float audio: mouths differ by a hair
     assert all(abs(v - 1.0) < 0.1 for v in row["ratio"].values()), row["ratio"]
