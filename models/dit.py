@@ -145,7 +145,8 @@ class A2VDiT(nn.Module):
         context: tuple[Tensor, Tensor | None] | None = None,
         windows: tuple[int, ...] | None = None,
     ) -> Tensor:
-        """Velocity ``v_BCThw`` for the window ``x_BCThw`` (clean at known frames) at time ``t_B``.
+        """Velocity ``v_BCThw`` for the window ``x_BCThw`` (clean at known frames) at time ``t_B``:
+        ``(B,)``, or ``(B, T)`` for a time per frame (packed windows sampled from different starts).
 
         ``windows``: the frame counts of several independent windows packed along T (the pipeline's
         batched steps, e.g. ``I_{k-1}`` with ``N_{k+1}``): each window's frames attend only to each
@@ -160,6 +161,8 @@ class A2VDiT(nn.Module):
                 f"known_BT {tuple(known_BT.shape)} / frame_index_BT {tuple(frame_index_BT.shape)} "
                 f"must be (B, T) = {(B, T)} like x_BCThw"
             )
+        if t_B.shape not in ((B,), (B, T)):
+            raise ValueError(f"t_B {tuple(t_B.shape)} must be (B,) = {(B,)} or per frame (B, T) = {(B, T)}")
         if audio_BTD.shape[:2] != (B, T):
             raise ValueError(
                 f"audio_BTD has {tuple(audio_BTD.shape[:2])} frames, x_BCThw has (B, T) = {(B, T)}: "
@@ -175,7 +178,8 @@ class A2VDiT(nn.Module):
         known = known_BT.to(torch.bool)
         x = x + self.known_embed(known.long())[:, :, None]
 
-        t_BT = torch.where(known, torch.zeros_like(t_B)[:, None], t_B[:, None].expand(B, T))
+        t_all = t_B[:, None].expand(B, T) if t_B.dim() == 1 else t_B  # per frame: packed windows' own times
+        t_BT = torch.where(known, torch.zeros_like(t_all), t_all)
         e_BTD = self.time_embed(sinusoidal_embedding(t_BT, cfg.freq_dim).to(x.dtype))
         mod = self.time_proj(e_BTD).unflatten(-1, (6, cfg.dim))
 

@@ -13,11 +13,16 @@ same number of steps covers ``[start, 0]`` (the shifted curve cut at ``start``).
 start (Meng et al., 2022) in flow-matching form: the guess fixes what the first, noisiest steps
 would otherwise draw at random (for the A2V: where the head and its features sit), the rest of the
 steps draw the detail. ``start`` = 1 is the plain sampler, bit for bit.
+
+Per-frame starts (``start`` a sequence, one per frame): windows packed along T that start at
+different times (the A2V's N and I windows of one batched step) share one sampling of the same
+number of steps, each frame on its own start's schedule; ``velocity_fn`` then gets the times per
+frame, ``(B, T)``, instead of ``(B,)``. Each frame's arithmetic is the one its own start would run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -48,13 +53,15 @@ class FlowMatchEulerSampler:
         known_BCThw: Tensor,
         known_BT: Tensor,
         prior_BCThw: Tensor | None = None,
-        start: float = 1.0,
+        start: float | Sequence[float] = 1.0,
     ) -> Tensor:
-        """Euler from t = ``start`` to 0; ``velocity_fn(x_BCThw, t_B) -> v_BCThw``. Returns the x0 estimate.
+        """Euler from t = ``start`` to 0; ``velocity_fn(x_BCThw, t) -> v_BCThw`` with ``t`` of shape
+        ``(B,)``, or ``(B, T)`` when ``start`` is per frame. Returns the x0 estimate.
 
         ``known_BCThw`` holds the clean latents at the frames where ``known_BT`` is True (other frames
         are ignored). With ``start`` < 1 the unknown frames start at ``(1 - start) prior_BCThw + start
-        noise_BCThw`` (``prior_BCThw`` required, the shape of the noise).
+        noise_BCThw`` (``prior_BCThw`` required, the shape of the noise; frames whose start is 1 take
+        the noise whatever their prior). ``start`` a sequence: one start per frame (T of them).
         """
         if noise_BCThw.shape != known_BCThw.shape:
             raise ValueError(
@@ -63,18 +70,33 @@ class FlowMatchEulerSampler:
         B, _, T = noise_BCThw.shape[:3]
         if known_BT.shape != (B, T):
             raise ValueError(f"known_BT {tuple(known_BT.shape)} must be (B, T) = {(B, T)}")
-        ts = self.timesteps(start).to(noise_BCThw.device)
+        per_frame = not isinstance(start, (int, float))
+        if per_frame:
+            starts = [float(s) for s in start]  # type: ignore[union-attr]
+            if len(starts) != T:
+                raise ValueError(f"start has {len(starts)} per-frame values, the window T = {T} frames")
+            cols = {s: self.timesteps(s) for s in dict.fromkeys(starts)}
+            ts = torch.stack([cols[s] for s in starts], dim=1).to(noise_BCThw.device)  # (steps + 1, T)
+            lowest = min(starts)
+        else:
+            ts = self.timesteps(float(start)).to(noise_BCThw.device)  # type: ignore[arg-type]
+            lowest = float(start)  # type: ignore[arg-type]
+
+        def frames(t: Tensor) -> Tensor:  # a time row, broadcast over (B, C, T, h, w)
+            return t.to(noise_BCThw.dtype)[:, None, None].expand(T, 1, 1) if per_frame else t.to(noise_BCThw.dtype)
+
         x_start = noise_BCThw
-        if start < 1.0:
+        if lowest < 1.0:
             if prior_BCThw is None or prior_BCThw.shape != noise_BCThw.shape:
                 got = None if prior_BCThw is None else tuple(prior_BCThw.shape)
                 raise ValueError(f"start={start} < 1 needs prior_BCThw of shape {tuple(noise_BCThw.shape)}, got {got}")
-            x_start = torch.lerp(prior_BCThw, noise_BCThw, ts[0].to(noise_BCThw.dtype))
+            x_start = torch.lerp(prior_BCThw, noise_BCThw, frames(ts[0]))
         keep = known_BT.to(torch.bool)[:, None, :, None, None]
         x = torch.where(keep, known_BCThw, x_start)
         for i in range(self.num_steps):
             t, t_next = ts[i], ts[i + 1]
-            v = velocity_fn(x, t.expand(B).to(noise_BCThw.dtype))
-            x = x + (t_next - t).to(x.dtype) * v
+            t_arg = t[None].expand(B, T) if per_frame else t.expand(B)
+            v = velocity_fn(x, t_arg.to(noise_BCThw.dtype))
+            x = x + frames(t_next - t).to(x.dtype) * v
             x = torch.where(keep, known_BCThw, x)
         return x

@@ -345,6 +345,42 @@ def test_sampler_from_a_prior_starts_on_its_line_to_the_noise() -> None:
     assert torch.equal(s.sample(velocity, noise, clean, known, prior, 1.0), s.sample(velocity, noise, clean, known))
 
 
+def test_sampler_per_frame_starts_equal_each_window_sampled_alone() -> None:
+    # the A2V's packed N and I windows from their kinds' starts: one sampling of the same steps, each
+    # frame on its own start's schedule, bit for bit what its window's own sampling gives
+    s = FlowMatchEulerSampler(5, 3.0)
+    g = torch.Generator().manual_seed(8)
+    x0, noise, prior, clean = (torch.randn(1, 3, 7, 2, 2, generator=g) for _ in range(4))
+    known = torch.tensor([[True, False, False, True, False, False, False]])
+    seen: list[Tensor] = []
+
+    def velocity(x: Tensor, t: Tensor) -> Tensor:  # the exact velocity towards x0, times per frame
+        seen.append(t)
+        tt = t[:, None, :, None, None] if t.dim() == 2 else t[:, None, None, None, None]
+        return (x - x0) / tt
+
+    per_frame = [0.15] * 3 + [0.6] * 4  # window a: frames 0-2 (start 0.15), window b: 3-6 (0.6)
+    packed = s.sample(velocity, noise, clean, known, prior, per_frame)
+    assert [tuple(t.shape) for t in seen] == [(1, 7)] * 5
+    assert all(torch.equal(t[0, :3], s.timesteps(0.15)[i].expand(3)) and torch.equal(t[0, 3:], s.timesteps(0.6)[i].expand(4))
+               for i, t in enumerate(seen))
+
+    def alone(lo: int, hi: int, start: float) -> Tensor:
+        def v(x: Tensor, t: Tensor) -> Tensor:
+            return (x - x0[:, :, lo:hi]) / t[:, None, None, None, None]
+        return s.sample(v, noise[:, :, lo:hi], clean[:, :, lo:hi], known[:, lo:hi], prior[:, :, lo:hi], start)
+
+    assert torch.equal(packed[:, :, :3], alone(0, 3, 0.15)) and torch.equal(packed[:, :, 3:], alone(3, 7, 0.6))
+    # a window from pure noise beside one from a guess: its frames start on the noise, its guess unused
+    mixed = s.sample(velocity, noise, clean, known, prior, [1.0] * 3 + [0.6] * 4)
+    assert torch.equal(mixed[:, :, :3], s.sample(lambda x, t: (x - x0[:, :, :3]) / t[:, None, None, None, None],
+                                                   noise[:, :, :3], clean[:, :, :3], known[:, :3]))
+    with pytest.raises(ValueError, match="7 frames"):
+        s.sample(velocity, noise, clean, known, prior, [0.6] * 6)
+    with pytest.raises(ValueError, match="start="):
+        s.sample(velocity, noise, clean, known, prior, [0.6] * 6 + [0.0])
+
+
 # ---------------------------------------------------------------- checkpoint
 
 
@@ -524,3 +560,14 @@ def test_dit_packed_windows_equal_each_window_alone(mods: dict[str, torch.nn.Mod
     assert not torch.allclose(mixed[:, :, :6], alone[0], atol=1e-3)
     with pytest.raises(ValueError, match="summing to T"):
         dit(a[0], t, a[1], a[2], ref, a[3], context=ctx, windows=(3, 2))
+    # a time per frame: each packed window at its own time (windows sampled from different starts)
+    t_a, t_b = torch.tensor([0.15, 0.4]), torch.tensor([0.6, 0.9])
+    alone = [dit(x, tw, k, i, ref, au, context=ctx) for (x, k, i, au), tw in ((a, t_a), (b, t_b))]
+    per_frame = torch.cat([t_a[:, None].expand(2, 6), t_b[:, None].expand(2, 21)], 1)
+    packed = dit(torch.cat([a[0], b[0]], 2), per_frame, torch.cat([a[1], b[1]], 1), torch.cat([a[2], b[2]], 1), ref,
+                 torch.cat([a[3], b[3]], 1), context=ctx, windows=(6, 21))
+    assert torch.equal(packed[:, :, :6], alone[0]) and torch.equal(packed[:, :, 6:], alone[1])
+    same = dit(a[0], t_a[:, None].expand(2, 6), a[1], a[2], ref, a[3], context=ctx)  # (B, T) of one time = (B,)
+    assert torch.equal(same, alone[0])
+    with pytest.raises(ValueError, match="t_B"):
+        dit(a[0], per_frame, a[1], a[2], ref, a[3], context=ctx)

@@ -1,5 +1,5 @@
-"""The tiny family's per-request options (``RenderRequest.options``): ``audio_guidance``, ``steps`` and
-``start_noise``,
+"""The tiny family's per-request options (``RenderRequest.options``): ``audio_guidance``, ``steps``,
+``start_noise`` and ``interp_start_noise``,
 checked by ``TinyFamily.options`` (the bound check wan uses, ``pipeline.model_family.check_option``)
 and read by the context and A2V stages at run time, so one warm pipeline serves every request."""
 
@@ -23,28 +23,32 @@ from pipeline.render import render
 from pipeline.request import RenderRequest
 
 TINY = FAMILIES.get("tiny")
-START = 0.6  # the tiny preset's start_noise and guidance (models/checkpoints/MODEL_CARD.md)
+START = 0.6  # the tiny preset's start_noise, interp_start_noise and guidance (models/checkpoints/MODEL_CARD.md)
+INTERP_START = 0.1
 GUIDANCE = 3.5
 
 
 def test_defaults_are_the_presets_values() -> None:
     p = get_preset("tiny")
     assert TINY.options(p, {}) == {"audio_guidance": p.audio_guidance, "steps": p.num_steps,
-                                   "start_noise": p.start_noise} == {
-        "audio_guidance": GUIDANCE, "steps": 5, "start_noise": START}
+                                   "start_noise": p.start_noise, "interp_start_noise": p.interp_start_noise} == {
+        "audio_guidance": GUIDANCE, "steps": 5, "start_noise": START, "interp_start_noise": INTERP_START}
     # the default follows the preset (a preset patched to guidance 1 / 8 steps / noise defaults to them)
-    patched = dataclasses.replace(p, audio_guidance=1.0, num_steps=8, start_noise=1.0)
-    assert TINY.options(patched, {}) == {"audio_guidance": 1.0, "steps": 8, "start_noise": 1.0}
+    patched = dataclasses.replace(p, audio_guidance=1.0, num_steps=8, start_noise=1.0, interp_start_noise=0.5)
+    assert TINY.options(patched, {}) == {"audio_guidance": 1.0, "steps": 8, "start_noise": 1.0,
+                                         "interp_start_noise": 0.5}
     # values within the bounds, each as its option's type (an int option takes an integral float)
-    opts = TINY.options(p, {"audio_guidance": 2, "steps": 3.0, "start_noise": 1})
-    assert opts == {"audio_guidance": 2.0, "steps": 3, "start_noise": 1.0}
+    opts = TINY.options(p, {"audio_guidance": 2, "steps": 3.0, "start_noise": 1, "interp_start_noise": 1})
+    assert opts == {"audio_guidance": 2.0, "steps": 3, "start_noise": 1.0, "interp_start_noise": 1.0}
     assert type(opts["audio_guidance"]) is float and type(opts["steps"]) is int and type(opts["start_noise"]) is float
-    assert TINY.options(p, {"audio_guidance": 10, "steps": 50, "start_noise": 0.1}) == {
-        "audio_guidance": 10.0, "steps": 50, "start_noise": 0.1}
+    assert type(opts["interp_start_noise"]) is float
+    assert TINY.options(p, {"audio_guidance": 10, "steps": 50, "start_noise": 0.1, "interp_start_noise": 0.1}) == {
+        "audio_guidance": 10.0, "steps": 50, "start_noise": 0.1, "interp_start_noise": 0.1}
     assert TINY.options(p, {"audio_guidance": 1.0, "steps": 1}) == {"audio_guidance": 1.0, "steps": 1,
-                                                                     "start_noise": START}
+                                                                     "start_noise": START,
+                                                                     "interp_start_noise": INTERP_START}
     assert OPTION_BOUNDS == {"audio_guidance": (float, 1.0, 10.0), "steps": (int, 1, 50),
-                             "start_noise": (float, 0.1, 1.0)}
+                             "start_noise": (float, 0.1, 1.0), "interp_start_noise": (float, 0.1, 1.0)}
 
 
 @pytest.mark.parametrize(("key", "value"), [
@@ -52,13 +56,15 @@ def test_defaults_are_the_presets_values() -> None:
     ("audio_guidance", math.nan), ("audio_guidance", math.inf), ("audio_guidance", None),
     ("steps", 0), ("steps", 51), ("steps", 2.5), ("steps", "5"), ("steps", True), ("steps", 10**400),
     ("start_noise", 0.0), ("start_noise", 0.05), ("start_noise", 1.5), ("start_noise", math.nan), ("start_noise", "1"),
+    ("interp_start_noise", 0.0), ("interp_start_noise", 1.01), ("interp_start_noise", None),
 ])
 def test_a_bad_value_names_the_key_value_bounds_and_default(key: str, value: object) -> None:
     with pytest.raises(InvalidInputError) as err:
         TINY.options(get_preset("tiny"), {key: value})  # type: ignore[dict-item]
     assert err.value.field == f"options.{key}"
     bounds, default = {"audio_guidance": ("float in [1, 10]", repr(GUIDANCE)), "steps": ("int in [1, 50]", "5"),
-                       "start_noise": ("float in [0.1, 1]", repr(START))}[key]
+                       "start_noise": ("float in [0.1, 1]", repr(START)),
+                       "interp_start_noise": ("float in [0.1, 1]", repr(INTERP_START))}[key]
     assert str(err.value) == f"options.{key}={value!r}: must be {bounds} (preset 'tiny' default {default})"
 
 
@@ -66,7 +72,7 @@ def test_an_unknown_key_names_the_keys_tiny_takes() -> None:
     with pytest.raises(InvalidInputError) as err:  # wan's keys are not tiny's
         TINY.options(get_preset("tiny"), {"steps": 3, "text_guidance": 5.0})
     assert err.value.field == "options.text_guidance"
-    assert str(err.value) == "options.text_guidance: the tiny family takes ['audio_guidance', 'start_noise', 'steps']"
+    assert str(err.value) == "options.text_guidance: the tiny family takes ['audio_guidance', 'interp_start_noise', 'start_noise', 'steps']"
 
 
 def test_wan_refuses_through_the_same_check() -> None:
@@ -172,14 +178,57 @@ def test_start_noise_reaches_the_sampler_and_1_is_the_plain_sampler(speech) -> N
     request = RenderRequest(image=DEMO_IMAGE, audio=speech(1.0), seed=4)  # N0 N1 I0 (batched: N0, N1, I0)
     warm = _runtime()
     default, d = _render(request, warm)
-    plain, q = _render(dataclasses.replace(request, options={"start_noise": 1.0}), warm)
+    plain_options = {"start_noise": 1.0, "interp_start_noise": 1.0}
+    plain, q = _render(dataclasses.replace(request, options=plain_options), warm)
     assert len(q.forwards) == len(d.forwards)  # the same steps, from another time: the same cost
     assert plain.shape == default.shape and not np.array_equal(plain, default)
     # by request or by the preset: the same frames
-    preset_plain, _ = _render(request, _runtime(dataclasses.replace(get_preset("tiny"), start_noise=1.0)))
+    preset_plain, _ = _render(request, _runtime(dataclasses.replace(get_preset("tiny"), **plain_options)))
     assert np.array_equal(plain, preset_plain)
-    explicit, _ = _render(dataclasses.replace(request, options={"start_noise": START}), warm)
+    explicit, _ = _render(dataclasses.replace(
+        request, options={"start_noise": START, "interp_start_noise": INTERP_START}), warm)
     assert np.array_equal(explicit, default)
+
+
+def test_interp_start_noise_reaches_the_i_chunks_only(speech) -> None:  # type: ignore[no-untyped-def]
+    # 2.6 s: N0 N1 I0 N2 I1 N3 I2 N4, I_{k-1} packed with N_{k+1}: each window from its own start
+    request = RenderRequest(image=DEMO_IMAGE, audio=speech(2.6), seed=5)
+    warm = _runtime()
+    a2v = warm.pipeline.step_stages[1]
+    latents: list[tuple[str, float, torch.Tensor]] = []
+    run_batch = a2v.run_batch  # type: ignore[attr-defined]
+
+    def spy(prepared):  # type: ignore[no-untyped-def]
+        out = run_batch(prepared)
+        latents.extend((w.step.name, w.start, o[P.STEP_LATENTS]) for w, o in zip(prepared, out, strict=True))
+        return out
+
+    def sample(options: dict[str, float], runtime: FamilyRuntime = warm) -> dict[str, tuple[float, torch.Tensor]]:
+        latents.clear()
+        runtime.pipeline.step_stages[1].run_batch = spy  # type: ignore[attr-defined]
+        try:
+            frames, spied = _render(dataclasses.replace(request, options=options), runtime)
+        finally:
+            del runtime.pipeline.step_stages[1].run_batch  # type: ignore[attr-defined]
+        assert len(spied.forwards) == 5 * 5  # still five groups, packed: one forward per sampler step
+        return {name: (start, x) for name, start, x in latents}
+
+    default = sample({})
+    assert {n: s for n, (s, _) in default.items()} == {**{f"N{k}": START for k in range(5)},
+                                                      **{f"I{k}": INTERP_START for k in range(3)}}
+    other = sample({"interp_start_noise": START})  # I from 0.6, as the N chunks
+    for name, (_, x) in default.items():  # the N chunks are the same, bit for bit; the I chunks are not
+        assert torch.equal(x, other[name][1]) is name.startswith("N"), name
+    # the sequential loop (each window sampled alone, from its one start) gives the same latents
+    warm.batch_steps = False
+    try:
+        latents.clear()
+        a2v.run_batch = spy  # type: ignore[attr-defined]
+        _render(request, warm)
+    finally:
+        warm.batch_steps = True
+        del a2v.run_batch  # type: ignore[attr-defined]
+    assert all(torch.equal(x, default[name][1]) for name, _, x in latents) and len(latents) == 8
 
 
 def test_the_prior_is_the_reference_for_n_and_the_anchors_line_for_i() -> None:

@@ -26,12 +26,14 @@ CHECKPOINT_DIR = Path(__file__).resolve().parents[3] / "models" / "checkpoints"
 OPTION_BOUNDS: OptionBounds = {
     "audio_guidance": (float, 1.0, 10.0),  # 1: no guidance (one DiT forward per sampler step, no silence)
     "steps": (int, 1, 50),  # the A2V's sampler steps
-    "start_noise": (float, 0.1, 1.0),  # the flow time sampling starts at, from a guess (1: pure noise)
+    "start_noise": (float, 0.1, 1.0),  # the flow time N chunks start at, from a guess (1: pure noise)
+    "interp_start_noise": (float, 0.1, 1.0),  # the same for I chunks, from their anchors' line
 }
 """The request options of :meth:`TinyFamily.options` (``RenderRequest.options``), each defaulting to
-the preset's value (``ModelPreset.audio_guidance`` / ``num_steps`` / ``start_noise``);
-models/checkpoints/MODEL_CARD.md measured the tiny preset at guidance 2 / 2.5 / 3, 3 / 5 / 10 steps
-and start_noise 1 / 0.8 / 0.6 / 0.5 / 0.4 (with guidance 2.5 / 3 / 3.5)."""
+the preset's value (``ModelPreset.audio_guidance`` / ``num_steps`` / ``start_noise`` /
+``interp_start_noise``); models/checkpoints/MODEL_CARD.md measured the tiny preset at guidance 2 /
+2.5 / 3, 3 / 5 / 10 steps, start_noise 1 / 0.8 / 0.6 / 0.5 / 0.4 (with guidance 2.5 / 3 / 3.5) and
+interp_start_noise 0.6 / 0.15 / 0.1."""
 
 
 class TinyFamily(ModelFamily):
@@ -62,12 +64,13 @@ class TinyFamily(ModelFamily):
         return _model_preset(preset).audio.context_frames
 
     def options(self, preset: FamilyPreset, options: Mapping[str, str | int | float]) -> dict[str, str | int | float]:
-        """``audio_guidance``, ``steps`` and ``start_noise`` within :data:`OPTION_BOUNDS`; the preset's
-        values otherwise.
+        """``audio_guidance``, ``steps``, ``start_noise`` and ``interp_start_noise`` within
+        :data:`OPTION_BOUNDS`; the preset's values otherwise.
         The context stage computes silence features only when the request's guidance is not 1."""
         p = _model_preset(preset)
         out: dict[str, str | int | float] = {"audio_guidance": p.audio_guidance, "steps": p.num_steps,
-                                             "start_noise": p.start_noise}
+                                             "start_noise": p.start_noise,
+                                             "interp_start_noise": p.interp_start_noise}
         for key, value in options.items():
             out[key] = check_option(self.name, p, key, value, out, OPTION_BOUNDS)
         return out

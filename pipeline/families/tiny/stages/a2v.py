@@ -11,20 +11,23 @@ halves in one batched forward. Silence is a condition the model saw in every pau
 speech, so it needs no condition dropout in training; the guidance amplifies what the audio changes —
 the mouth. The sampler (``models.sampler.FlowMatchEulerSampler``, the preset's shift) takes
 ``options["steps"]`` steps (default ``ModelPreset.num_steps``) from flow time ``options["start_noise"]``
-(default ``ModelPreset.start_noise``); all are job values (``pipeline.ports.OPTIONS``, checked by
+for N chunks and ``options["interp_start_noise"]`` for I chunks (defaults ``ModelPreset.start_noise``
+/ ``interp_start_noise``); all are job values (``pipeline.ports.OPTIONS``, checked by
 ``TinyFamily.options``), read per step.
 
-Sampling from a guess (``start_noise`` < 1, :func:`step_prior`): an N chunk's unknown frames start
-from the reference's low-res latent, an I chunk's from the straight line between its two anchors,
-each noised to ``start_noise``. The A2V sees the reference in every N window (the reference slot)
-and still draws where the head and its features go from noise in the first steps; starting on the
-reference keeps them where the reference has them, and an I chunk that starts on the line between
-its anchors has no reason to leave it for a jump (models/checkpoints/MODEL_CARD.md, measured).
+Sampling from a guess (start < 1, :func:`step_prior`): an N chunk's unknown frames start from the
+reference's low-res latent, an I chunk's from the straight line between its two anchors, each noised
+to its kind's start. The A2V sees the reference in every N window (the reference slot) and still
+draws where the head and its features go from noise in the first steps; starting on the reference
+keeps them where the reference has them. An I chunk's line already holds where the head goes, from
+one anchor to the other: the later its start, the more of that path it draws anew, and a path drawn
+anew shows as a jump at the seams (models/checkpoints/MODEL_CARD.md, measured).
 
 Batched steps (:class:`~pipeline.stage.BatchedStage`): the pipeline may hand ``I_{k-1}`` and
 ``N_{k+1}`` over together; their windows are packed along T and sampled as one, each window
-attending only to itself (``A2VDiT.forward(windows=)``), so each step's latents are those of its
-own sampling.
+attending only to itself (``A2VDiT.forward(windows=)``) and, when their starts differ, each frame
+on its own window's schedule (the sampler's per-frame starts), so each step's latents are those of
+its own sampling.
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ class A2VStage(BatchedStage):
         frame_index_BT = torch.tensor([list(step.window)], dtype=torch.long, device=device)
         options = values.get(P.OPTIONS)
         guidance, steps = float(options["audio_guidance"]), int(options["steps"])
-        start = float(options["start_noise"])
+        start = float(options["interp_start_noise" if step.kind is ChunkKind.I else "start_noise"])
         silent = values.get_optional(P.AUDIO_FEATS_SILENT) if guidance != 1.0 else None
         prior = None if start >= 1.0 else step_prior(step, ref_lowres, known)
         return _Window(step, noise, known, known_BT, frame_index_BT, values.get(P.AUDIO_FEATS), silent,
@@ -102,11 +105,16 @@ class A2VStage(BatchedStage):
                                cat([w.audio for w in prepared], 1), first.context, silent, first.guidance,
                                windows=sizes if packed else None)
         sampler = FlowMatchEulerSampler(first.steps, self.shift)  # no weights: one per sampling is free
-        priors = [w.prior for w in prepared if w.prior is not None]  # start_noise is the job's: all or none
-        prior = cat(priors, 2) if priors else None
+        # each window from its kind's start: one start for all, or one per frame when they differ
+        starts = [w.start for w in prepared]
+        start: float | list[float] = (starts[0] if len(set(starts)) == 1
+                                      else [w.start for w, n in zip(prepared, sizes, strict=True) for _ in range(n)])
+        # a window from pure noise (start 1) has no guess; beside one that has, any finite one will do
+        prior = (cat([w.noise.new_zeros(w.noise.shape) if w.prior is None else w.prior for w in prepared], 2)
+                 if any(w.prior is not None for w in prepared) else None)
         with self.timings.model("a2v"):
             x0 = sampler.sample(velocity, cat([w.noise for w in prepared], 2), cat([w.known for w in prepared], 2),
-                                known_BT, prior, first.start)
+                                known_BT, prior, start)
         out: list[dict[Port[Any], object]] = []
         for w, x0_w in zip(prepared, torch.split(x0, list(sizes), dim=2) if packed else [x0], strict=True):
             g0 = w.step.generate.start - w.step.window.start
@@ -127,7 +135,7 @@ class _Window:
     silent: torch.Tensor | None
     ref: torch.Tensor  # job values: the same for every window
     context: tuple[torch.Tensor, torch.Tensor | None]
-    guidance: float  # the request's options: audio guidance, sampler steps, start time
+    guidance: float  # the request's options: audio guidance, sampler steps, this kind's start time
     steps: int
     start: float
     prior: torch.Tensor | None  # the unknown frames' guess (start < 1), the window's shape
@@ -188,7 +196,8 @@ def velocity_fn(dit: object, known_BT: torch.Tensor, frame_index_BT: torch.Tenso
     context_nb = (tokens.expand(nb, *tokens.shape[1:]), None if mask is None else mask.expand(nb, -1))
 
     def velocity(x_BCThw: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        t_B = t.reshape(-1)[:1].expand(nb).to(x_BCThw.dtype)
+        # (B,) or per frame (B, T) (packed windows from different starts); B is 1, the guidance's nb
+        t_B = (t[:1].expand(nb, -1) if t.dim() == 2 else t.reshape(-1)[:1].expand(nb)).to(x_BCThw.dtype)
         v: torch.Tensor = dit(x_BCThw.expand(nb, *x_BCThw.shape[1:]), t_B, known_nb, index_nb,  # type: ignore[operator]
                               ref_nb, audio_nb, context=context_nb, windows=windows)
         if silent is None:
