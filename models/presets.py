@@ -258,7 +258,7 @@ def _tiny() -> ModelPreset:
         # eyes, brows, hair and SSIM nearer ground truth on 40 held-out faces (MODEL_CARD.md)
         start_noise=0.6,
         # I chunks from their anchors' line noised to 0.1: the head no longer jumps at the seams
-        # (seam jump 1.62 -> 1.00x ground truth's), lip sync within 0.005 (MODEL_CARD.md)
+        # (seam jump 1.75 -> 1.00x ground truth's), mean lip sync 0.003 lower (MODEL_CARD.md)
         interp_start_noise=0.1,
         notes="trained demo preset; 256x256 at 25 fps on 2 CPU cores",
     )

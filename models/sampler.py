@@ -71,32 +71,27 @@ class FlowMatchEulerSampler:
         if known_BT.shape != (B, T):
             raise ValueError(f"known_BT {tuple(known_BT.shape)} must be (B, T) = {(B, T)}")
         per_frame = not isinstance(start, (int, float))
-        if per_frame:
-            starts = [float(s) for s in start]  # type: ignore[union-attr]
-            if len(starts) != T:
-                raise ValueError(f"start has {len(starts)} per-frame values, the window T = {T} frames")
-            cols = {s: self.timesteps(s) for s in dict.fromkeys(starts)}
-            ts = torch.stack([cols[s] for s in starts], dim=1).to(noise_BCThw.device)  # (steps + 1, T)
-            lowest = min(starts)
-        else:
-            ts = self.timesteps(float(start)).to(noise_BCThw.device)  # type: ignore[arg-type]
-            lowest = float(start)  # type: ignore[arg-type]
+        starts = [float(s) for s in start] if per_frame else [float(start)] * T  # type: ignore[union-attr, arg-type]
+        if len(starts) != T:
+            raise ValueError(f"start has {len(starts)} per-frame values, the window T = {T} frames")
+        schedules = {s: self.timesteps(s) for s in dict.fromkeys(starts)}
+        ts = torch.stack([schedules[s] for s in starts], dim=1).to(noise_BCThw.device)  # (steps + 1, T)
 
-        def frames(t: Tensor) -> Tensor:  # a time row, broadcast over (B, C, T, h, w)
-            return t.to(noise_BCThw.dtype)[:, None, None].expand(T, 1, 1) if per_frame else t.to(noise_BCThw.dtype)
+        def per_frame_row(t_T: Tensor) -> Tensor:  # a time per frame, broadcast over (B, C, T, h, w)
+            return t_T.to(noise_BCThw.dtype)[:, None, None]
 
         x_start = noise_BCThw
-        if lowest < 1.0:
+        if min(starts) < 1.0:
             if prior_BCThw is None or prior_BCThw.shape != noise_BCThw.shape:
                 got = None if prior_BCThw is None else tuple(prior_BCThw.shape)
                 raise ValueError(f"start={start} < 1 needs prior_BCThw of shape {tuple(noise_BCThw.shape)}, got {got}")
-            x_start = torch.lerp(prior_BCThw, noise_BCThw, frames(ts[0]))
+            x_start = torch.lerp(prior_BCThw, noise_BCThw, per_frame_row(ts[0]))
         keep = known_BT.to(torch.bool)[:, None, :, None, None]
         x = torch.where(keep, known_BCThw, x_start)
         for i in range(self.num_steps):
             t, t_next = ts[i], ts[i + 1]
-            t_arg = t[None].expand(B, T) if per_frame else t.expand(B)
+            t_arg = t[None].expand(B, T) if per_frame else t[:1].expand(B)
             v = velocity_fn(x, t_arg.to(noise_BCThw.dtype))
-            x = x + frames(t_next - t).to(x.dtype) * v
+            x = x + per_frame_row(t_next - t) * v
             x = torch.where(keep, known_BCThw, x)
         return x

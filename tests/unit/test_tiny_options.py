@@ -23,7 +23,8 @@ from pipeline.render import render
 from pipeline.request import RenderRequest
 
 TINY = FAMILIES.get("tiny")
-START = 0.6  # the tiny preset's start_noise, interp_start_noise and guidance (models/checkpoints/MODEL_CARD.md)
+# the tiny preset's start_noise, interp_start_noise and guidance (models/checkpoints/MODEL_CARD.md)
+START = 0.6
 INTERP_START = 0.1
 GUIDANCE = 3.5
 
@@ -203,13 +204,13 @@ def test_interp_start_noise_reaches_the_i_chunks_only(speech) -> None:  # type: 
         latents.extend((w.step.name, w.start, o[P.STEP_LATENTS]) for w, o in zip(prepared, out, strict=True))
         return out
 
-    def sample(options: dict[str, float], runtime: FamilyRuntime = warm) -> dict[str, tuple[float, torch.Tensor]]:
+    def sample(options: dict[str, float]) -> dict[str, tuple[float, torch.Tensor]]:
         latents.clear()
-        runtime.pipeline.step_stages[1].run_batch = spy  # type: ignore[attr-defined]
+        a2v.run_batch = spy  # type: ignore[attr-defined]
         try:
-            frames, spied = _render(dataclasses.replace(request, options=options), runtime)
+            _, spied = _render(dataclasses.replace(request, options=options), warm)
         finally:
-            del runtime.pipeline.step_stages[1].run_batch  # type: ignore[attr-defined]
+            del a2v.run_batch  # type: ignore[attr-defined]
         assert len(spied.forwards) == 5 * 5  # still five groups, packed: one forward per sampler step
         return {name: (start, x) for name, start, x in latents}
 

@@ -25,9 +25,9 @@ anew shows as a jump at the seams (models/checkpoints/MODEL_CARD.md, measured).
 
 Batched steps (:class:`~pipeline.stage.BatchedStage`): the pipeline may hand ``I_{k-1}`` and
 ``N_{k+1}`` over together; their windows are packed along T and sampled as one, each window
-attending only to itself (``A2VDiT.forward(windows=)``) and, when their starts differ, each frame
-on its own window's schedule (the sampler's per-frame starts), so each step's latents are those of
-its own sampling.
+attending only to itself (``A2VDiT.forward(windows=)``) and each frame on its own window's schedule
+(the sampler's per-frame starts, the DiT's time per frame), so each step's latents are those of its
+own sampling.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class A2VStage(BatchedStage):
         guidance, steps = float(options["audio_guidance"]), int(options["steps"])
         start = float(options["interp_start_noise" if step.kind is ChunkKind.I else "start_noise"])
         silent = values.get_optional(P.AUDIO_FEATS_SILENT) if guidance != 1.0 else None
-        prior = None if start >= 1.0 else step_prior(step, ref_lowres, known)
+        prior = step_prior(step, ref_lowres, known)  # unused by the sampler where start is 1
         return _Window(step, noise, known, known_BT, frame_index_BT, values.get(P.AUDIO_FEATS), silent,
                        values.get(P.REF_LATENT), values.get(P.A2V_CONTEXT), guidance, steps, start, prior)
 
@@ -105,16 +105,10 @@ class A2VStage(BatchedStage):
                                cat([w.audio for w in prepared], 1), first.context, silent, first.guidance,
                                windows=sizes if packed else None)
         sampler = FlowMatchEulerSampler(first.steps, self.shift)  # no weights: one per sampling is free
-        # each window from its kind's start: one start for all, or one per frame when they differ
-        starts = [w.start for w in prepared]
-        start: float | list[float] = (starts[0] if len(set(starts)) == 1
-                                      else [w.start for w, n in zip(prepared, sizes, strict=True) for _ in range(n)])
-        # a window from pure noise (start 1) has no guess; beside one that has, any finite one will do
-        prior = (cat([w.noise.new_zeros(w.noise.shape) if w.prior is None else w.prior for w in prepared], 2)
-                 if any(w.prior is not None for w in prepared) else None)
+        starts = [w.start for w, n in zip(prepared, sizes, strict=True) for _ in range(n)]  # each its kind's
         with self.timings.model("a2v"):
             x0 = sampler.sample(velocity, cat([w.noise for w in prepared], 2), cat([w.known for w in prepared], 2),
-                                known_BT, prior, start)
+                                known_BT, cat([w.prior for w in prepared], 2), starts)
         out: list[dict[Port[Any], object]] = []
         for w, x0_w in zip(prepared, torch.split(x0, list(sizes), dim=2) if packed else [x0], strict=True):
             g0 = w.step.generate.start - w.step.window.start
@@ -138,7 +132,7 @@ class _Window:
     guidance: float  # the request's options: audio guidance, sampler steps, this kind's start time
     steps: int
     start: float
-    prior: torch.Tensor | None  # the unknown frames' guess (start < 1), the window's shape
+    prior: torch.Tensor  # the unknown frames' guess (used where start < 1), the window's shape
 
 
 def known_latents(step: ChunkStep, ref_lowres: torch.Tensor, last_n: torch.Tensor | None,
@@ -180,8 +174,8 @@ def velocity_fn(dit: object, known_BT: torch.Tensor, frame_index_BT: torch.Tenso
                 audio: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor | None],
                 silent: torch.Tensor | None = None, guidance: float = 1.0, *,
                 windows: tuple[int, ...] | None = None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The sampler's ``velocity(x, t)`` for one window (or several packed along T: ``windows``, their
-    frame counts); with ``guidance`` != 1 the DiT runs once over the batch [audio, silence] and
+    """The sampler's ``velocity(x, t)``, ``t`` a time per frame (the stage samples with per-frame
+    starts), for one window (or several packed along T: ``windows``, their frame counts); with ``guidance`` != 1 the DiT runs once over the batch [audio, silence] and
     returns ``v(silence) + guidance * (v(audio) - v(silence))``."""
     if guidance != 1.0 and silent is None:
         raise RuntimeError("audio guidance needs the context stage's silence features (it computes them when "
@@ -195,10 +189,8 @@ def velocity_fn(dit: object, known_BT: torch.Tensor, frame_index_BT: torch.Tenso
     tokens, mask = context
     context_nb = (tokens.expand(nb, *tokens.shape[1:]), None if mask is None else mask.expand(nb, -1))
 
-    def velocity(x_BCThw: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        # (B,) or per frame (B, T) (packed windows from different starts); B is 1, the guidance's nb
-        t_B = (t[:1].expand(nb, -1) if t.dim() == 2 else t.reshape(-1)[:1].expand(nb)).to(x_BCThw.dtype)
-        v: torch.Tensor = dit(x_BCThw.expand(nb, *x_BCThw.shape[1:]), t_B, known_nb, index_nb,  # type: ignore[operator]
+    def velocity(x_BCThw: torch.Tensor, t_BT: torch.Tensor) -> torch.Tensor:  # a time per frame; B is 1
+        v: torch.Tensor = dit(x_BCThw.expand(nb, *x_BCThw.shape[1:]), t_BT.expand(nb, -1), known_nb, index_nb,  # type: ignore[operator]
                               ref_nb, audio_nb, context=context_nb, windows=windows)
         if silent is None:
             return v
