@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from bench.inputs import DEMO_AUDIO, DEMO_IMAGE
+from bench.machine import machine
 from pipeline.host import reset_peak_rss
 
 MESSAGE_S = 0.1
@@ -148,6 +149,7 @@ def run_case(seconds: float, feed: str, use_i: bool, *, burst_s: float, burst_sp
         "feed": feed,
         "mode": "default" if use_i else "low-latency",
         "threads": torch.get_num_threads(),
+        "machine": machine(),
         "fed_s": r.live_fed_s,
         "silence_s": r.live_silence_s,
         "video_s": r.duration_s,

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.machine import machine
 from models.avatars.face import Box, measure_mouth_opening
 from models.avatars.speech import SAMPLE_RATE, mouth_opening_track, normalize_loudness
 
@@ -355,7 +356,8 @@ def run(args: argparse.Namespace, render_fn: RenderFn | None = None
     ref = gt.reference()
     out: dict[str, float | int | str | list[float]] = {"mode": "ground-truth" if args.ground_truth else "model",
                                          "identity_seed": ident, "chunk_frames": L, "context_frames": C,
-                                         "interp_frames": e, "audio": args.audio or HELDOUT_VOICES_AUDIO}
+                                         "interp_frames": e, "audio": args.audio or HELDOUT_VOICES_AUDIO,
+                                         "machine": machine()}
     if args.ground_truth:
         meter = QualityMeter(ref, gt.reference_mouth_box(), gt.reference_face_box(), gt.reference_eyes_box())
         fixed = QualityMeter(ref, gt.reference_mouth_box(), gt.reference_face_box(), gt.reference_eyes_box())
@@ -511,6 +513,7 @@ def _main_fidelity(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
                           Path(args.sheet) if args.sheet else None, log_fn=lambda m: print(m, file=sys.stderr),
                           first=args.first_identity)
     result["mode"] = "fidelity"
+    result["machine"] = machine()
     if args.sheet:
         result["sheet"] = args.sheet
     if args.markdown:

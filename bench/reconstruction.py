@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.machine import machine
 from bench.quality import QualityMeter, heldout_speech, require_heldout_voices
 from models.avatars.dataset import FPS
 from models.checkpoint import build_modules, load_checkpoint
@@ -180,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(exc))
     torch.set_num_threads(a.threads)
     if not a.fidelity:
-        print(json.dumps(reconstruction_report(a.seconds or 20.0, seed=a.seed, checkpoint=a.checkpoint)))
+        print(json.dumps({**reconstruction_report(a.seconds or 20.0, seed=a.seed, checkpoint=a.checkpoint),
+                          "machine": machine()}))
         return 0
     from bench.fidelity import markdown_table
 
@@ -189,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, r in result.items():
             print(f"### {name}\n\n{markdown_table(r)}\n")
     else:
-        print(json.dumps({k: v["aggregate"] for k, v in result.items()}))  # type: ignore[index]
+        print(json.dumps({**{k: v["aggregate"] for k, v in result.items()}, "machine": machine()}))  # type: ignore[index]
     return 0
 
 

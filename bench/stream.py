@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from bench.inputs import DEMO_IMAGE, speech_wav
+from bench.machine import machine
 from bench.memprofile import slope_per_10min
 from pipeline.host import reset_peak_rss
 
@@ -94,6 +95,7 @@ def run_once(preset: str, seconds: float, mode: str, threads: int | None, image:
         "preset": preset,
         "mode": mode,
         "threads": torch.get_num_threads(),
+        "machine": machine(),
         "overlap_emissions": overlap and mode == "streaming",
         "batch_steps": batch_steps and family.pipeline.batched_stage is not None,
         "a2v_forwards": forwards[0],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -12,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.machine import cpu_model, machine
 from bench.quality import (
     HELDOUT_VOICES_AUDIO,
     QualityMeter,
@@ -179,6 +181,26 @@ def test_cli_ground_truth_json(tmp_path: Path) -> None:
     assert out["audio"] == str(tmp_path / "speech.wav")
     assert out["drift_ratio"] <= 1.1
     assert (tmp_path / "q.png").exists()
+    assert out["machine"] == machine()  # the figures name the machine they come from
+
+
+def test_the_machine_record_names_the_kernels_torch_renders_with(tmp_path: Path) -> None:
+    # the instruction set torch picked decides a render's bits (docs/quality.md "Figures are per
+    # machine"): forcing the portable kernels must show in the record
+    proc = subprocess.run(
+        [sys.executable, "-c", "import json; from bench.machine import machine; print(json.dumps(machine()))"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+        env={**os.environ, "ATEN_CPU_CAPABILITY": "default"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    forced = json.loads(proc.stdout)
+    assert forced["torch_cpu_capability"] == "DEFAULT"
+    assert forced["cpu"] == machine()["cpu"] and forced["cores"] >= 1
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9R14\nflags\t: avx2\n")
+    assert cpu_model(info) == "AMD EPYC 9R14"
+    info.write_text("processor\t: 0\nmodel name\t:\n")  # no name given: what platform knows, never ""
+    assert cpu_model(info) and cpu_model(tmp_path / "missing") == cpu_model(info)
 
 
 def test_the_held_out_voices_are_espeak_or_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
