@@ -294,7 +294,7 @@ def test_family_options_are_checked_at_submit_and_stored_on_the_row(api: Api, tm
     assert "float in [1, 10] (preset 'tiny' default 3.5)" in resp.json()["message"]
     resp = httpx.post(f"{api.url}/v1/jobs", json=_spec(options={"cfg": 2}), headers=headers)
     assert resp.status_code == 422 and resp.json()["errors"] == [
-        {"field": "options.cfg", "message": "options.cfg: the tiny family takes ['audio_guidance', 'interp_start_noise', 'start_noise', 'steps']"}]
+        {"field": "options.cfg", "message": "options.cfg: the tiny family takes ['audio_guidance', 'audio_guidance_peak', 'interp_start_noise', 'start_noise', 'steps']"}]
     assert api.queue_len() == 0 and api.job_rows() == 0
     with api.client() as c:  # the client's options= merge over the spec's own, key by key
         job = c.submit(_spec(options={"steps": 9, "audio_guidance": 3}), options={"steps": 3.0})

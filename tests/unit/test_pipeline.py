@@ -127,7 +127,10 @@ def test_resume_key_differs_by_option_weights_seed_text_and_nothing_else(speech,
     assert differs(runtime=FamilyRuntime(family, preset, copy)) == []  # content, not path or mtime
     assert differs(options=family.options(preset, {"steps": preset.num_steps})) == []  # as resolved
     assert differs(options=family.options(preset, {"steps": 3})) == ["options.steps"]
-    assert differs(options=family.options(preset, {"audio_guidance": 1.0})) == ["options.audio_guidance"]
+    # the tiny preset has no peak: the resolved peak follows the guidance
+    assert differs(options=family.options(preset, {"audio_guidance": 1.0})) == ["options.audio_guidance",
+                                                                               "options.audio_guidance_peak"]
+    assert differs(options=family.options(preset, {"audio_guidance_peak": 7})) == ["options.audio_guidance_peak"]
     assert differs(runtime=FamilyRuntime(family, preset, other)) == ["weights"]
     assert differs(runtime=FamilyRuntime(family, preset, None)) == ["weights"]  # random init
     assert differs(request=dataclasses.replace(request, seed=4)) == ["seed"]

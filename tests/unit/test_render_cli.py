@@ -268,7 +268,7 @@ def test_options_reach_the_request_and_a_bad_one_fails_before_the_render(
     for extra, words in [
         (["--option", "steps=0"], "error [options.steps]: options.steps=0: must be int in [1, 50] (preset 'tiny' "
                                   "default 5)"),
-        (["--option", "cfg=1"], "error [options.cfg]: options.cfg: the tiny family takes ['audio_guidance', 'interp_start_noise', 'start_noise', 'steps']"),
+        (["--option", "cfg=1"], "error [options.cfg]: options.cfg: the tiny family takes ['audio_guidance', 'audio_guidance_peak', 'interp_start_noise', 'start_noise', 'steps']"),
         (["--option", "steps=3", "--option", "steps=4"], "error [options]: --option steps= is given twice"),
     ]:
         assert main([*base, *extra]) == 2

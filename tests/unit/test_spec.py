@@ -158,7 +158,7 @@ def _field_errors(data: dict[str, object]) -> list[dict[str, str]]:
         ({"audio_guidance": None}, "options.audio_guidance",
          "options.audio_guidance=None: must be float in [1, 10] (preset 'tiny' default 3.5)"),
         ({"steps": 3, "text_guidance": 5.0}, "options.text_guidance",
-         "options.text_guidance: the tiny family takes ['audio_guidance', 'interp_start_noise', 'start_noise', 'steps']"),
+         "options.text_guidance: the tiny family takes ['audio_guidance', 'audio_guidance_peak', 'interp_start_noise', 'start_noise', 'steps']"),
         ([1, 2], "options", "options: must be an object of option names to values (got list); send e.g. "
          '{"steps": 3, "audio_guidance": 2.0}'),
     ],

@@ -1,5 +1,5 @@
-"""The tiny family's per-request options (``RenderRequest.options``): ``audio_guidance``, ``steps``,
-``start_noise`` and ``interp_start_noise``,
+"""The tiny family's per-request options (``RenderRequest.options``): ``audio_guidance``,
+``audio_guidance_peak``, ``steps``, ``start_noise`` and ``interp_start_noise``,
 checked by ``TinyFamily.options`` (the bound check wan uses, ``pipeline.model_family.check_option``)
 and read by the context and A2V stages at run time, so one warm pipeline serves every request."""
 
@@ -23,33 +23,51 @@ from pipeline.render import render
 from pipeline.request import RenderRequest
 
 TINY = FAMILIES.get("tiny")
-# the tiny preset's start_noise, interp_start_noise and guidance (models/checkpoints/MODEL_CARD.md)
+# the tiny preset's start_noise, interp_start_noise and guidance (models/checkpoints/MODEL_CARD.md); its
+# guidance has no peak (the same on every cell); PEAK is the peak measured beside it
 START = 0.6
 INTERP_START = 0.1
 GUIDANCE = 3.5
+PEAK = 7.0
 
 
 def test_defaults_are_the_presets_values() -> None:
     p = get_preset("tiny")
-    assert TINY.options(p, {}) == {"audio_guidance": p.audio_guidance, "steps": p.num_steps,
-                                   "start_noise": p.start_noise, "interp_start_noise": p.interp_start_noise} == {
-        "audio_guidance": GUIDANCE, "steps": 5, "start_noise": START, "interp_start_noise": INTERP_START}
+    assert p.audio_guidance_peak is None and p.audio_guidance_focus == 4.0
+    assert TINY.options(p, {}) == {"audio_guidance": p.audio_guidance, "audio_guidance_peak": p.audio_guidance,
+                                   "steps": p.num_steps, "start_noise": p.start_noise,
+                                   "interp_start_noise": p.interp_start_noise} == {
+        "audio_guidance": GUIDANCE, "audio_guidance_peak": GUIDANCE, "steps": 5, "start_noise": START,
+        "interp_start_noise": INTERP_START}
     # the default follows the preset (a preset patched to guidance 1 / 8 steps / noise defaults to them)
-    patched = dataclasses.replace(p, audio_guidance=1.0, num_steps=8, start_noise=1.0, interp_start_noise=0.5)
-    assert TINY.options(patched, {}) == {"audio_guidance": 1.0, "steps": 8, "start_noise": 1.0,
-                                         "interp_start_noise": 0.5}
+    patched = dataclasses.replace(p, audio_guidance=1.0, audio_guidance_peak=2.0, num_steps=8, start_noise=1.0,
+                                  interp_start_noise=0.5)
+    assert TINY.options(patched, {}) == {"audio_guidance": 1.0, "audio_guidance_peak": 2.0, "steps": 8,
+                                         "start_noise": 1.0, "interp_start_noise": 0.5}
+    # without a peak in the preset the peak is the request's guidance, the same guidance on every cell;
+    # a preset's peak stays the peak whatever the request's guidance
+    assert TINY.options(p, {"audio_guidance": 2})["audio_guidance_peak"] == 2.0
+    assert TINY.options(p, {"audio_guidance": 2, "audio_guidance_peak": 6})["audio_guidance_peak"] == 6.0
+    peaked = dataclasses.replace(p, audio_guidance_peak=PEAK)
+    assert TINY.options(peaked, {"audio_guidance": 2})["audio_guidance_peak"] == PEAK
     # values within the bounds, each as its option's type (an int option takes an integral float)
-    opts = TINY.options(p, {"audio_guidance": 2, "steps": 3.0, "start_noise": 1, "interp_start_noise": 1})
-    assert opts == {"audio_guidance": 2.0, "steps": 3, "start_noise": 1.0, "interp_start_noise": 1.0}
+    opts = TINY.options(p, {"audio_guidance": 2, "audio_guidance_peak": 4, "steps": 3.0, "start_noise": 1,
+                            "interp_start_noise": 1})
+    assert opts == {"audio_guidance": 2.0, "audio_guidance_peak": 4.0, "steps": 3, "start_noise": 1.0,
+                    "interp_start_noise": 1.0}
     assert type(opts["audio_guidance"]) is float and type(opts["steps"]) is int and type(opts["start_noise"]) is float
-    assert type(opts["interp_start_noise"]) is float
-    assert TINY.options(p, {"audio_guidance": 10, "steps": 50, "start_noise": 0.1, "interp_start_noise": 0.1}) == {
-        "audio_guidance": 10.0, "steps": 50, "start_noise": 0.1, "interp_start_noise": 0.1}
-    assert TINY.options(p, {"audio_guidance": 1.0, "steps": 1}) == {"audio_guidance": 1.0, "steps": 1,
-                                                                     "start_noise": START,
+    assert type(opts["interp_start_noise"]) is float and type(opts["audio_guidance_peak"]) is float
+    assert TINY.options(p, {"audio_guidance": 10, "audio_guidance_peak": 1, "steps": 50, "start_noise": 0.1,
+                            "interp_start_noise": 0.1}) == {
+        "audio_guidance": 10.0, "audio_guidance_peak": 1.0, "steps": 50, "start_noise": 0.1, "interp_start_noise": 0.1}
+    assert TINY.options(p, {"audio_guidance": 1.0, "steps": 1}) == {"audio_guidance": 1.0, "audio_guidance_peak": 1.0,
+                                                                     "steps": 1, "start_noise": START,
                                                                      "interp_start_noise": INTERP_START}
-    assert OPTION_BOUNDS == {"audio_guidance": (float, 1.0, 10.0), "steps": (int, 1, 50),
-                             "start_noise": (float, 0.1, 1.0), "interp_start_noise": (float, 0.1, 1.0)}
+    assert OPTION_BOUNDS == {"audio_guidance": (float, 1.0, 10.0), "audio_guidance_peak": (float, 1.0, 10.0),
+                             "steps": (int, 1, 50), "start_noise": (float, 0.1, 1.0),
+                             "interp_start_noise": (float, 0.1, 1.0)}
+    with pytest.raises(ValueError, match="audio_guidance_focus=0.0 must be > 0"):
+        dataclasses.replace(p, audio_guidance_focus=0.0)
 
 
 @pytest.mark.parametrize(("key", "value"), [
@@ -58,12 +76,14 @@ def test_defaults_are_the_presets_values() -> None:
     ("steps", 0), ("steps", 51), ("steps", 2.5), ("steps", "5"), ("steps", True), ("steps", 10**400),
     ("start_noise", 0.0), ("start_noise", 0.05), ("start_noise", 1.5), ("start_noise", math.nan), ("start_noise", "1"),
     ("interp_start_noise", 0.0), ("interp_start_noise", 1.01), ("interp_start_noise", None),
+    ("audio_guidance_peak", 0.9), ("audio_guidance_peak", 11), ("audio_guidance_peak", "7"),
 ])
 def test_a_bad_value_names_the_key_value_bounds_and_default(key: str, value: object) -> None:
     with pytest.raises(InvalidInputError) as err:
         TINY.options(get_preset("tiny"), {key: value})  # type: ignore[dict-item]
     assert err.value.field == f"options.{key}"
     bounds, default = {"audio_guidance": ("float in [1, 10]", repr(GUIDANCE)), "steps": ("int in [1, 50]", "5"),
+                       "audio_guidance_peak": ("float in [1, 10]", repr(GUIDANCE)),
                        "start_noise": ("float in [0.1, 1]", repr(START)),
                        "interp_start_noise": ("float in [0.1, 1]", repr(INTERP_START))}[key]
     assert str(err.value) == f"options.{key}={value!r}: must be {bounds} (preset 'tiny' default {default})"
@@ -73,7 +93,7 @@ def test_an_unknown_key_names_the_keys_tiny_takes() -> None:
     with pytest.raises(InvalidInputError) as err:  # wan's keys are not tiny's
         TINY.options(get_preset("tiny"), {"steps": 3, "text_guidance": 5.0})
     assert err.value.field == "options.text_guidance"
-    assert str(err.value) == "options.text_guidance: the tiny family takes ['audio_guidance', 'interp_start_noise', 'start_noise', 'steps']"
+    assert str(err.value) == "options.text_guidance: the tiny family takes ['audio_guidance', 'audio_guidance_peak', 'interp_start_noise', 'start_noise', 'steps']"
 
 
 def test_wan_refuses_through_the_same_check() -> None:
@@ -260,3 +280,40 @@ def test_the_prior_is_the_reference_for_n_and_the_anchors_line_for_i() -> None:
         torch.testing.assert_close(i_prior[:, :, i : i + 1], prev_last + i / (T - 1) * (last_n[:, :, 4:5] - prev_last))
     with pytest.raises(RuntimeError, match="anchors"):  # a window whose anchors are not at its ends
         step_prior(dataclasses.replace(i0, known=(i0.window.start + 1, i0.window.stop - 1)), ref, window(i0))
+
+
+def test_peak_guidance_puts_the_peak_where_the_audio_acts_most() -> None:
+    from pipeline.families.tiny.stages.a2v import peak_guidance
+
+    g = torch.Generator().manual_seed(7)
+    d = torch.randn(1, 8, 3, 4, 4, generator=g) * 0.01
+    d[:, :, 0, 2, 1] = 1.0  # frame 0: one cell moved most, by norm over the channels
+    d[:, :, 1, 0, 3] = 0.5  # frame 1: another, with half the change: the map is each frame's own
+    d[:, :, 1, 3, 3] = 0.25
+    m = peak_guidance(d, 3.5, 7.0, 4.0)
+    assert m.shape == (1, 1, 3, 4, 4)
+    assert m[0, 0, 0, 2, 1].item() == pytest.approx(7.0) and m[0, 0, 1, 0, 3].item() == pytest.approx(7.0)
+    assert m[0, 0, 1, 3, 3].item() == pytest.approx(3.5 + 3.5 * 0.5 ** 4)  # half the frame's largest change
+    others = torch.ones_like(m, dtype=torch.bool)
+    others[0, 0, 0, 2, 1] = others[0, 0, 1, 0, 3] = others[0, 0, 1, 3, 3] = False
+    assert (m[:, :, :2][others[:, :, :2]] < 3.51).all()  # the rest of those frames keep the guidance
+    assert m[0, 0, 2].max().item() == pytest.approx(7.0)  # a frame of small changes still has its peak cell
+    # frames packed along T get what each gets alone
+    assert torch.equal(torch.cat([peak_guidance(d[:, :, t : t + 1], 3.5, 7.0, 4.0) for t in range(3)], 2), m)
+    # no change anywhere: the guidance, not a division by zero
+    assert torch.equal(peak_guidance(torch.zeros(1, 8, 1, 4, 4), 3.5, 7.0, 4.0), torch.full((1, 1, 1, 4, 4), 3.5))
+
+
+def test_audio_guidance_peak_reaches_the_a2v(speech) -> None:  # type: ignore[no-untyped-def]
+    request = RenderRequest(image=DEMO_IMAGE, audio=speech(1.0), seed=6)  # N0 N1 I0
+    warm = _runtime()
+    default, d = _render(request, warm)
+    peaked, k = _render(dataclasses.replace(request, options={"audio_guidance_peak": PEAK}), warm)
+    assert len(k.forwards) == len(d.forwards)  # the same forwards: the map costs no DiT call
+    assert peaked.shape == default.shape and not np.array_equal(peaked, default)
+    # by request or by the preset: the same frames
+    preset_peaked, _ = _render(request, _runtime(dataclasses.replace(get_preset("tiny"), audio_guidance_peak=PEAK)))
+    assert np.array_equal(peaked, preset_peaked)
+    # a peak equal to the guidance is the uniform guidance, bit for bit
+    flat, _ = _render(dataclasses.replace(request, options={"audio_guidance_peak": GUIDANCE}), warm)
+    assert np.array_equal(flat, default)

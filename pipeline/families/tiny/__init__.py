@@ -25,15 +25,17 @@ CHECKPOINT_DIR = Path(__file__).resolve().parents[3] / "models" / "checkpoints"
 
 OPTION_BOUNDS: OptionBounds = {
     "audio_guidance": (float, 1.0, 10.0),  # 1: no guidance (one DiT forward per sampler step, no silence)
+    "audio_guidance_peak": (float, 1.0, 10.0),  # the guidance on the cells the audio moves most (the mouth's)
     "steps": (int, 1, 50),  # the A2V's sampler steps
     "start_noise": (float, 0.1, 1.0),  # the flow time N chunks start at, from a guess (1: pure noise)
     "interp_start_noise": (float, 0.1, 1.0),  # the same for I chunks, from their anchors' line
 }
 """The request options of :meth:`TinyFamily.options` (``RenderRequest.options``), each defaulting to
-the preset's value (``ModelPreset.audio_guidance`` / ``num_steps`` / ``start_noise`` /
-``interp_start_noise``); models/checkpoints/MODEL_CARD.md measured the tiny preset at guidance 2 /
-2.5 / 3, 3 / 5 / 10 steps, start_noise 1 / 0.8 / 0.6 / 0.5 / 0.4 (with guidance 2.5 / 3 / 3.5) and
-interp_start_noise 0.6 / 0.15 / 0.1."""
+the preset's value (``ModelPreset.audio_guidance`` / ``audio_guidance_peak`` / ``num_steps`` /
+``start_noise`` / ``interp_start_noise``); models/checkpoints/MODEL_CARD.md measured the tiny preset
+at guidance 2 / 2.5 / 3 / 3.5 / 4.5 / 5.5, with a peak of 5.5 / 7 / 9, 3 / 5 / 8 / 10 steps,
+start_noise 1 / 0.8 / 0.6 / 0.5 / 0.4 (with guidance 2.5 / 3 / 3.5) and interp_start_noise 0.6 /
+0.15 / 0.1."""
 
 
 class TinyFamily(ModelFamily):
@@ -64,15 +66,20 @@ class TinyFamily(ModelFamily):
         return _model_preset(preset).audio.context_frames
 
     def options(self, preset: FamilyPreset, options: Mapping[str, str | int | float]) -> dict[str, str | int | float]:
-        """``audio_guidance``, ``steps``, ``start_noise`` and ``interp_start_noise`` within
-        :data:`OPTION_BOUNDS`; the preset's values otherwise.
-        The context stage computes silence features only when the request's guidance is not 1."""
+        """``audio_guidance``, ``audio_guidance_peak``, ``steps``, ``start_noise`` and
+        ``interp_start_noise`` within :data:`OPTION_BOUNDS`; the preset's values otherwise (a preset
+        without a peak: the request's ``audio_guidance``, guidance the same on every cell).
+        The context stage computes silence features only when the request's guidance is not 1; with
+        guidance 1 there is no guidance to shape and the peak is not used."""
         p = _model_preset(preset)
-        out: dict[str, str | int | float] = {"audio_guidance": p.audio_guidance, "steps": p.num_steps,
-                                             "start_noise": p.start_noise,
-                                             "interp_start_noise": p.interp_start_noise}
+        out: dict[str, str | int | float] = {
+            "audio_guidance": p.audio_guidance,
+            "audio_guidance_peak": p.audio_guidance if p.audio_guidance_peak is None else p.audio_guidance_peak,
+            "steps": p.num_steps, "start_noise": p.start_noise, "interp_start_noise": p.interp_start_noise}
         for key, value in options.items():
             out[key] = check_option(self.name, p, key, value, out, OPTION_BOUNDS)
+        if p.audio_guidance_peak is None and "audio_guidance_peak" not in options:
+            out["audio_guidance_peak"] = out["audio_guidance"]
         return out
 
     def modules(self, preset: FamilyPreset, checkpoint: Path | None, *, device: str = "cpu",

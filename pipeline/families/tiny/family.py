@@ -46,7 +46,7 @@ def family_stages(p: ModelPreset, modules: Mapping[str, Module], timings: Timing
         ContextStage(modules["vae"], modules["audio"], modules.get("text"), fps=p.fps,
                      sample_rate=p.sample_rate, latent_channels=p.latent_channels,
                      lr_latent_hw=p.lr_latent_hw, timings=timings),
-        A2VStage(modules["a2v"], timings=timings, shift=p.shift),
+        A2VStage(modules["a2v"], timings=timings, shift=p.shift, guidance_focus=p.audio_guidance_focus),
         SRStage(modules["sr"], timings=timings),
         DecodeStage(modules["vae"], timings=timings),
     ]

@@ -9,7 +9,9 @@ Audio guidance (the request's ``options["audio_guidance"]`` g != 1, default
 ``ModelPreset.audio_guidance``): every velocity is ``v(silence) + g * (v(audio) - v(silence))``, both
 halves in one batched forward. Silence is a condition the model saw in every pause of its training
 speech, so it needs no condition dropout in training; the guidance amplifies what the audio changes —
-the mouth. The sampler (``models.sampler.FlowMatchEulerSampler``, the preset's shift) takes
+the mouth. ``options["audio_guidance_peak"]`` (default ``ModelPreset.audio_guidance_peak``, else g)
+makes g a map (:func:`peak_guidance`): the peak on the cells the audio moves most in each frame, g
+on the rest, ``ModelPreset.audio_guidance_focus`` deciding how sharply. The sampler (``models.sampler.FlowMatchEulerSampler``, the preset's shift) takes
 ``options["steps"]`` steps (default ``ModelPreset.num_steps``) from flow time ``options["start_noise"]``
 for N chunks and ``options["interp_start_noise"]`` for I chunks (defaults ``ModelPreset.start_noise``
 / ``interp_start_noise``); all are job values (``pipeline.ports.OPTIONS``, checked by
@@ -52,10 +54,11 @@ class A2VStage(BatchedStage):
               P.AUDIO_FEATS, P.AUDIO_FEATS_SILENT, P.NOISE)
     outputs = (P.A2V_CONTEXT, P.STEP_LATENTS)
 
-    def __init__(self, dit: Module, *, timings: Timings, shift: float) -> None:
+    def __init__(self, dit: Module, *, timings: Timings, shift: float, guidance_focus: float) -> None:
         self.dit = dit
         self.timings = timings
         self.shift = shift  # the sampler's (ModelPreset.shift); its steps are the request's
+        self.focus = guidance_focus  # ModelPreset.audio_guidance_focus; the peak is the request's
 
     def modules(self) -> list[object]:
         return [self.dit]
@@ -82,11 +85,12 @@ class A2VStage(BatchedStage):
         frame_index_BT = torch.tensor([list(step.window)], dtype=torch.long, device=device)
         options = values.get(P.OPTIONS)
         guidance, steps = float(options["audio_guidance"]), int(options["steps"])
+        peak = float(options["audio_guidance_peak"])
         start = float(options["interp_start_noise" if step.kind is ChunkKind.I else "start_noise"])
         silent = values.get_optional(P.AUDIO_FEATS_SILENT) if guidance != 1.0 else None
         prior = step_prior(step, ref_lowres, known)  # unused by the sampler where start is 1
         return _Window(step, noise, known, known_BT, frame_index_BT, values.get(P.AUDIO_FEATS), silent,
-                       values.get(P.REF_LATENT), values.get(P.A2V_CONTEXT), guidance, steps, start, prior)
+                       values.get(P.REF_LATENT), values.get(P.A2V_CONTEXT), guidance, peak, steps, start, prior)
 
     @torch.no_grad()
     def run_batch(self, prepared: Sequence[_Window]) -> list[dict[Port[Any], object]]:
@@ -103,7 +107,7 @@ class A2VStage(BatchedStage):
         known_BT = cat([w.known_BT for w in prepared], 1)
         velocity = velocity_fn(self.dit.get(), known_BT, cat([w.frame_index_BT for w in prepared], 1), first.ref,
                                cat([w.audio for w in prepared], 1), first.context, silent, first.guidance,
-                               windows=sizes if packed else None)
+                               windows=sizes if packed else None, peak=first.peak, focus=self.focus)
         sampler = FlowMatchEulerSampler(first.steps, self.shift)  # no weights: one per sampling is free
         starts = [w.start for w, n in zip(prepared, sizes, strict=True) for _ in range(n)]  # each its kind's
         with self.timings.model("a2v"):
@@ -129,7 +133,8 @@ class _Window:
     silent: torch.Tensor | None
     ref: torch.Tensor  # job values: the same for every window
     context: tuple[torch.Tensor, torch.Tensor | None]
-    guidance: float  # the request's options: audio guidance, sampler steps, this kind's start time
+    guidance: float  # the request's options: audio guidance and its peak, sampler steps, this kind's start time
+    peak: float
     steps: int
     start: float
     prior: torch.Tensor  # the unknown frames' guess (used where start < 1), the window's shape
@@ -173,10 +178,14 @@ def step_prior(step: ChunkStep, ref_lowres: torch.Tensor, known_BCThw: torch.Ten
 def velocity_fn(dit: object, known_BT: torch.Tensor, frame_index_BT: torch.Tensor, ref: torch.Tensor,
                 audio: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor | None],
                 silent: torch.Tensor | None = None, guidance: float = 1.0, *,
-                windows: tuple[int, ...] | None = None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+                windows: tuple[int, ...] | None = None, peak: float | None = None,
+                focus: float = 4.0) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The sampler's ``velocity(x, t)``, ``t`` a time per frame (the stage samples with per-frame
-    starts), for one window (or several packed along T: ``windows``, their frame counts); with ``guidance`` != 1 the DiT runs once over the batch [audio, silence] and
-    returns ``v(silence) + guidance * (v(audio) - v(silence))``."""
+    starts), for one window (or several packed along T: ``windows``, their frame counts); with
+    ``guidance`` != 1 the DiT runs once over the batch [audio, silence] and returns
+    ``v(silence) + g * (v(audio) - v(silence))``: ``g`` is ``guidance`` everywhere when ``peak`` is
+    None or equal to it, else :func:`peak_guidance`'s map (``peak`` where the audio moves the velocity
+    most in the frame)."""
     if guidance != 1.0 and silent is None:
         raise RuntimeError("audio guidance needs the context stage's silence features (it computes them when "
                            "the request's options['audio_guidance'] != 1)")
@@ -195,6 +204,21 @@ def velocity_fn(dit: object, known_BT: torch.Tensor, frame_index_BT: torch.Tenso
         if silent is None:
             return v
         v_audio, v_silent = v.chunk(2)
-        return v_silent + guidance * (v_audio - v_silent)
+        if peak is None or peak == guidance:
+            return v_silent + guidance * (v_audio - v_silent)
+        d = v_audio - v_silent
+        return v_silent + peak_guidance(d, guidance, peak, focus) * d
 
     return velocity
+
+
+def peak_guidance(d_BCThw: torch.Tensor, guidance: float, peak: float, focus: float) -> torch.Tensor:
+    """Audio guidance per latent cell, ``(B, 1, T, h, w)``: ``guidance + (peak - guidance) * m ** focus``,
+    ``m`` the cell's share of the frame's largest ``|v(audio) - v(silence)|`` (norm over channels,
+    each frame on its own, so packed windows get what each would alone). The audio moves the mouth's
+    cells most: a high ``focus`` keeps ``peak`` to them and ``guidance`` on the rest of the face,
+    which a uniform ``peak`` would pull away from the reference (models/checkpoints/MODEL_CARD.md)."""
+    a = d_BCThw.norm(dim=1, keepdim=True)
+    m = a / a.amax(dim=(-2, -1), keepdim=True).clamp_min(1e-6)
+    g: torch.Tensor = guidance + (peak - guidance) * m ** focus
+    return g
