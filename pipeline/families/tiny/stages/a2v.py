@@ -178,13 +178,13 @@ def step_prior(step: ChunkStep, ref_lowres: torch.Tensor, known_BCThw: torch.Ten
 def velocity_fn(dit: object, known_BT: torch.Tensor, frame_index_BT: torch.Tensor, ref: torch.Tensor,
                 audio: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor | None],
                 silent: torch.Tensor | None = None, guidance: float = 1.0, *,
-                windows: tuple[int, ...] | None = None, peak: float | None = None,
-                focus: float = 4.0) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+                windows: tuple[int, ...] | None = None, peak: float, focus: float
+                ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The sampler's ``velocity(x, t)``, ``t`` a time per frame (the stage samples with per-frame
     starts), for one window (or several packed along T: ``windows``, their frame counts); with
     ``guidance`` != 1 the DiT runs once over the batch [audio, silence] and returns
-    ``v(silence) + g * (v(audio) - v(silence))``: ``g`` is ``guidance`` everywhere when ``peak`` is
-    None or equal to it, else :func:`peak_guidance`'s map (``peak`` where the audio moves the velocity
+    ``v(silence) + g * (v(audio) - v(silence))``: ``g`` is ``guidance`` everywhere when ``peak``
+    equals it, else :func:`peak_guidance`'s map (``peak`` where the audio moves the velocity
     most in the frame)."""
     if guidance != 1.0 and silent is None:
         raise RuntimeError("audio guidance needs the context stage's silence features (it computes them when "
@@ -204,7 +204,7 @@ def velocity_fn(dit: object, known_BT: torch.Tensor, frame_index_BT: torch.Tenso
         if silent is None:
             return v
         v_audio, v_silent = v.chunk(2)
-        if peak is None or peak == guidance:
+        if peak == guidance:
             return v_silent + guidance * (v_audio - v_silent)
         d = v_audio - v_silent
         return v_silent + peak_guidance(d, guidance, peak, focus) * d
