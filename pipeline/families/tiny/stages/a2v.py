@@ -204,10 +204,8 @@ def velocity_fn(dit: object, known_BT: torch.Tensor, frame_index_BT: torch.Tenso
         if silent is None:
             return v
         v_audio, v_silent = v.chunk(2)
-        if peak == guidance:
-            return v_silent + guidance * (v_audio - v_silent)
         d = v_audio - v_silent
-        return v_silent + peak_guidance(d, guidance, peak, focus) * d
+        return v_silent + (guidance if peak == guidance else peak_guidance(d, guidance, peak, focus)) * d
 
     return velocity
 
