@@ -25,6 +25,15 @@ from torch import Tensor, nn
 from models.presets import VAEConfig
 
 
+def pool_frames(x_BCThw: Tensor, factor: int) -> Tensor:
+    """Average pool each frame of ``(B, C, T, H, W)`` by ``factor`` (sides divisible by it): the
+    low-res latent of :meth:`CausalVAE.to_lowres`, and the pooled frames and weights the VAE's
+    scale-equivariance loss compares (``models.training.train_vae.vae_loss``)."""
+    B, C, T, H, W = x_BCThw.shape
+    frames = F.avg_pool2d(x_BCThw.transpose(1, 2).reshape(B * T, C, H, W), factor)
+    return frames.reshape(B, T, C, H // factor, W // factor).transpose(1, 2)
+
+
 def _groups(c: int) -> int:
     for g in (8, 4, 2, 1):
         if c % g == 0:
@@ -258,9 +267,7 @@ class CausalVAE(nn.Module):
         """hr latent -> low-res latent for the A2V DiT: per-frame average pool by ``factor``
         (default ``cfg.lowres_factor``)."""
         factor = factor or self.cfg.lowres_factor
-        B, C, T, h, w = z_BCThw.shape
+        h, w = z_BCThw.shape[-2:]
         if h % factor or w % factor:
             raise ValueError(f"to_lowres: latent size {h}x{w} not divisible by lowres_factor={factor}")
-        frames = z_BCThw.transpose(1, 2).reshape(B * T, C, h, w)
-        lr = F.avg_pool2d(frames, factor)
-        return lr.reshape(B, T, C, h // factor, w // factor).transpose(1, 2)
+        return pool_frames(z_BCThw, factor)

@@ -33,7 +33,7 @@ from models.training.common import (
     step_generator,
 )
 from models.training.data import DETAIL_REGIONS, FrameSampler, heldout_frames, psnr
-from models.vae import CausalConv3d, CausalVAE
+from models.vae import CausalConv3d, CausalVAE, pool_frames
 
 log = logging.getLogger(__name__)
 
@@ -79,15 +79,35 @@ def recon_loss(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None = N
     return l1 + 2.0 * mse + 0.5 * edge, {"l1": l1.item(), "mse": mse.item(), "edge": edge.item()}
 
 
+SCALE_FACTORS = (2, 4)
+
+
 def vae_loss(vae: CausalVAE, x: torch.Tensor, gen: torch.Generator, kl_weight: float,
-             weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+             weight: torch.Tensor | None = None, scale_equivariance: float = 0.0
+             ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Reconstruction (:func:`recon_loss`) + ``kl_weight`` x KL, plus with ``scale_equivariance`` > 0
+    that weight x the reconstruction loss of the pooled frame from the decoded pooled latent
+    (:func:`~models.vae.pool_frames`), by a factor drawn from :data:`SCALE_FACTORS` (Skorokhodov et al. 2025,
+    "Improving the Diffusability of Autoencoders", arXiv 2502.14831): the decoder must read a pooled
+    latent as the pooled picture, which takes the high frequencies out of the latent that the picture
+    does not have. Factor 2 is the A2V's own ``to_lowres``."""
     mean, logvar = vae.encode_moments(x)
     z = mean + torch.exp(0.5 * logvar) * torch.randn(mean.shape, generator=gen)
     y, _ = vae.decode(z, clamp=False)
     rec, parts = recon_loss(y, x, weight)
     kl = 0.5 * (mean.pow(2) + logvar.exp() - 1.0 - logvar).mean()
     loss = rec + kl_weight * kl
-    return loss, {"loss": loss.item(), **parts, "kl": kl.item()}
+    out = {**parts, "kl": kl.item()}
+    if scale_equivariance > 0.0:
+        f = SCALE_FACTORS[int(torch.randint(len(SCALE_FACTORS), (1,), generator=gen))]
+        if z.shape[-1] % f or z.shape[-2] % f:
+            raise ValueError(f"scale_equivariance: latent {z.shape[-2]}x{z.shape[-1]} is not divisible by {f}; "
+                             f"train on crops whose side is a multiple of {f} x the VAE factor")
+        y_down, _ = vae.decode(pool_frames(z, f), clamp=False)
+        se, _ = recon_loss(y_down, pool_frames(x, f), None if weight is None else pool_frames(weight, f))
+        loss = loss + scale_equivariance * se
+        out["se"] = se.item()
+    return loss, {"loss": loss.item(), **out}
 
 
 @torch.no_grad()
@@ -107,14 +127,15 @@ def heldout_psnr(vae: CausalVAE, frames: torch.Tensor, sr: nn.Module | None = No
 def train_vae(preset: ModelPreset, state_path: Path, *, minutes: float, seed: int = 0, batch: int = 4,
               crop: int = 128, full_fraction: float = 0.15, full_batch: int = 2, lr: float = 2e-3,
               kl_weight: float = 1e-5, log_every: int = 20, save_every_s: float = 120.0,
-              eval_frames: int = 16, threads: int | None = None, detail_weight: float = 0.0
-              ) -> dict[str, float]:
+              eval_frames: int = 16, threads: int | None = None, detail_weight: float = 0.0,
+              scale_equivariance: float = 0.0) -> dict[str, float]:
     """Train (or resume) until ``minutes`` of wall time in total; returns final figures.
 
     ``detail_weight`` > 0 weights every reconstruction loss by ``1 + detail_weight`` on the face's
     small features (:data:`models.training.data.DETAIL_REGIONS`: brows, nose, eyes, lips, mouth,
     glasses, earrings), from the generator's region masks: they are a few percent of the frame, so a
-    plain mean spends the encoder's latent on skin and background (issue 15)."""
+    plain mean spends the encoder's latent on skin and background (issue 15).
+    ``scale_equivariance``: the weight of :func:`vae_loss`'s downsampled-reconstruction term (0: off)."""
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -134,7 +155,7 @@ def train_vae(preset: ModelPreset, state_path: Path, *, minutes: float, seed: in
                                     DETAIL_REGIONS if detail_weight > 0.0 else None)
         for g in opt.param_groups:
             g["lr"] = cosine_lr(lr, budget.fraction)
-        loss, parts = vae_loss(vae, x, gen, kl_weight, pixel_weight(detail, detail_weight))
+        loss, parts = vae_loss(vae, x, gen, kl_weight, pixel_weight(detail, detail_weight), scale_equivariance)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
@@ -153,6 +174,7 @@ def train_vae(preset: ModelPreset, state_path: Path, *, minutes: float, seed: in
     st.elapsed_s = budget.elapsed_s
     st.extra["detail_weight"] = detail_weight
     st.extra["kl_weight"] = kl_weight
+    st.extra["scale_equivariance"] = scale_equivariance
     if eval_frames:
         st.extra["heldout_psnr_db"] = heldout_psnr(vae, heldout_frames(eval_frames, preset.height))
         log.info("vae: held-out PSNR %.2f dB after %d steps", st.extra["heldout_psnr_db"], st.step)
@@ -263,11 +285,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kl-weight", type=float, default=1e-5,
                    help="weight of the latent's KL term (1e-3 against 1e-5 for 10 min: PSNR +0.3 dB but latents "
                         "rougher, bench.latent_stats; docs/quality.md)")
+    p.add_argument("--scale-equivariance", type=float, default=0.0,
+                   help="weight of the loss of decoding a 2x/4x pooled latent into the pooled frame (0: off; "
+                        "smooths the latent the A2V predicts, bench.latent_stats; docs/quality.md)")
     a = p.parse_args(argv)
     setup_logging(a.cache_dir / "train.log")
     out = train_vae(get_preset(a.preset), a.cache_dir / "vae_state.pt", minutes=a.minutes, seed=a.seed,
                     batch=a.batch, crop=a.crop, lr=a.lr, threads=a.threads,
-                    detail_weight=a.detail_weight, kl_weight=a.kl_weight)
+                    detail_weight=a.detail_weight, kl_weight=a.kl_weight,
+                    scale_equivariance=a.scale_equivariance)
     log.info("vae done: %s", out)
     return 0
 

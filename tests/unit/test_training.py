@@ -21,6 +21,7 @@ from models.training.train_a2v import A2VBatcher, train_a2v
 from models.training.train_all import assemble_checkpoint, chain_decoder, final_vae
 from models.training.train_sr import blur_features, train_sr
 from models.training.train_vae import (
+    SCALE_FACTORS,
     finalize_vae,
     pixel_weight,
     recon_loss,
@@ -28,7 +29,7 @@ from models.training.train_vae import (
     vae_loss,
     zero_past_taps,
 )
-from models.vae import CausalVAE
+from models.vae import CausalVAE, pool_frames
 
 
 def small_preset() -> ModelPreset:
@@ -128,6 +129,38 @@ def test_vae_trainer_applies_and_records_the_detail_weight(tmp_path: Path) -> No
     assert runs[8.0]["steps"] >= 1 and runs[8.0]["detail_weight"] == 8.0 and runs[0.0]["detail_weight"] == 0.0
     plain, weighted = (_first_logged_loss(tmp_path / f"vae_{w:g}.pt") for w in (0.0, 8.0))
     assert plain != pytest.approx(weighted, rel=1e-3)
+
+
+def test_scale_equivariance_adds_the_pooled_frames_reconstruction() -> None:
+    """With a weight, the loss is the plain loss (same draws) plus weight x the reconstruction loss of
+    the pooled frame from the decoded pooled latent, pooled as the A2V's to_lowres pools; an
+    indivisible latent is refused with the size to use."""
+    torch.manual_seed(0)
+    vae = CausalVAE(small_preset().vae)
+    x, _, detail = FrameSampler("train", 64).draw(step_generator(0, 5), 2, regions=DETAIL_REGIONS)
+    w = pixel_weight(detail, 4.0)
+    plain, pp = vae_loss(vae, x, step_generator(0, 1), 1e-5, w)
+    total, sp = vae_loss(vae, x, step_generator(0, 1), 1e-5, w, scale_equivariance=0.5)
+    assert "se" not in pp and sp["se"] > 0
+    assert total.item() == pytest.approx(plain.item() + 0.5 * sp["se"], rel=1e-5)
+    gen = step_generator(0, 1)  # the draws vae_loss made: the latent's noise, then the factor
+    mean, logvar = vae.encode_moments(x)
+    z = mean + torch.exp(0.5 * logvar) * torch.randn(mean.shape, generator=gen)
+    f = SCALE_FACTORS[int(torch.randint(len(SCALE_FACTORS), (1,), generator=gen))]
+    assert torch.equal(pool_frames(z, f), vae.to_lowres(z, f))
+    y_down, _ = vae.decode(pool_frames(z, f), clamp=False)
+    assert y_down.shape[-1] == 64 // f
+    assert recon_loss(y_down, pool_frames(x, f), pool_frames(w, f))[0].item() == pytest.approx(sp["se"], rel=1e-5)
+    with pytest.raises(ValueError, match="scale_equivariance: latent 3x3 is not divisible"):
+        vae_loss(vae, x[..., :24, :24], step_generator(0, 1), 1e-5, scale_equivariance=0.5)
+
+
+def test_vae_trainer_applies_and_records_the_scale_equivariance(tmp_path: Path) -> None:
+    runs = {w: train_vae(small_preset(), tmp_path / f"se_{w:g}.pt", minutes=0.02, batch=2, crop=32, eval_frames=2,
+                         log_every=1, scale_equivariance=w) for w in (0.0, 1.0)}
+    assert runs[1.0]["scale_equivariance"] == 1.0 and runs[0.0]["scale_equivariance"] == 0.0
+    plain, regularised = (_first_logged_loss(tmp_path / f"se_{w:g}.pt") for w in (0.0, 1.0))
+    assert regularised > plain
 
 
 @pytest.fixture(scope="module")
