@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -87,7 +88,8 @@ def vae_loss(vae: CausalVAE, x: torch.Tensor, gen: torch.Generator, kl_weight: f
              ) -> tuple[torch.Tensor, dict[str, float]]:
     """Reconstruction (:func:`recon_loss`) + ``kl_weight`` x KL, plus with ``scale_equivariance`` > 0
     that weight x the reconstruction loss of the pooled frame from the decoded pooled latent
-    (:func:`~models.vae.pool_frames`), by a factor drawn from :data:`SCALE_FACTORS` (Skorokhodov et al. 2025,
+    (:meth:`~models.vae.CausalVAE.to_lowres`, and :func:`~models.vae.pool_frames` for the frame and
+    its weights), by a factor drawn from :data:`SCALE_FACTORS` (Skorokhodov et al. 2025,
     "Improving the Diffusability of Autoencoders", arXiv 2502.14831): the decoder must read a pooled
     latent as the pooled picture, which takes the high frequencies out of the latent that the picture
     does not have. Factor 2 is the A2V's own ``to_lowres``."""
@@ -100,10 +102,7 @@ def vae_loss(vae: CausalVAE, x: torch.Tensor, gen: torch.Generator, kl_weight: f
     out = {**parts, "kl": kl.item()}
     if scale_equivariance > 0.0:
         f = SCALE_FACTORS[int(torch.randint(len(SCALE_FACTORS), (1,), generator=gen))]
-        if z.shape[-1] % f or z.shape[-2] % f:
-            raise ValueError(f"scale_equivariance: latent {z.shape[-2]}x{z.shape[-1]} is not divisible by {f}; "
-                             f"train on crops whose side is a multiple of {f} x the VAE factor")
-        y_down, _ = vae.decode(pool_frames(z, f), clamp=False)
+        y_down, _ = vae.decode(vae.to_lowres(z, f), clamp=False)  # refuses a latent f does not divide
         se, _ = recon_loss(y_down, pool_frames(x, f), None if weight is None else pool_frames(weight, f))
         loss = loss + scale_equivariance * se
         out["se"] = se.item()
@@ -136,6 +135,13 @@ def train_vae(preset: ModelPreset, state_path: Path, *, minutes: float, seed: in
     glasses, earrings), from the generator's region masks: they are a few percent of the frame, so a
     plain mean spends the encoder's latent on skin and background (issue 15).
     ``scale_equivariance``: the weight of :func:`vae_loss`'s downsampled-reconstruction term (0: off)."""
+    if scale_equivariance > 0.0:  # refused now, not at the first step that draws a factor it fails on
+        side = preset.vae_factor * math.lcm(*SCALE_FACTORS)
+        for name, px in (("crop", crop), ("the preset's frame size", preset.height)):
+            if px % side:
+                raise ValueError(f"scale_equivariance={scale_equivariance}: {name} {px} is not a multiple of {side} "
+                                 f"(the VAE factor {preset.vae_factor} x the pooling factors {SCALE_FACTORS}); "
+                                 f"use a crop such as {side * max(1, px // side)}, or --scale-equivariance 0")
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
