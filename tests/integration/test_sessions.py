@@ -448,7 +448,12 @@ def test_preview_page_plays_a_live_session_while_it_renders(stack: Stack) -> Non
     fed = threading.Thread(target=feed, args=(ws, 12.0))
     fed.start()
     try:
-        time.sleep(2.0)
+        # three segments in the playlist the page reads, however fast this machine renders (a fixed
+        # 2 s gave one under load)
+        deadline = time.monotonic() + 30
+        while (stack.playlist(job_id) or "").count("#EXTINF") < 3:
+            assert time.monotonic() < deadline, f"fewer than 3 segments listed after 30 s: {stack.playlist(job_id)}"
+            time.sleep(0.1)
         resp = httpx.get(f"{stack.url}/v1/jobs/{job_id}/preview", headers={"Authorization": f"Bearer {TOKEN_A}"})
         page = resp.json()["page_url"]
         state, detail = page_state(page, stack.tmp / f"chrome-{job_id[:8]}")

@@ -166,6 +166,13 @@ def check_inputs(args: argparse.Namespace) -> tuple[Path, Path | None, int, Rend
     return out, hls, channels, request
 
 
+# The signal that stopped this render, recorded by the handler before it raises. Native code the
+# exception passes through may replace it with its own error (torch building a tensor from a
+# safetensors storage turns it into "could not determine the shape of object type UntypedStorage"),
+# so main() asks this record, not the exception's type, whether a failure was a stop.
+_stop_signal: list[int] = []
+
+
 def _install_stop_handlers() -> None:
     """SIGINT and SIGTERM raise :class:`Stopped` in the main thread, so the render unwinds through
     its ``finally`` blocks (the sinks close with ok=False: FileSink removes OUT.partial). A second
@@ -174,8 +181,10 @@ def _install_stop_handlers() -> None:
     def _stop(signum: int, _frame: FrameType | None) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _stop_signal.append(signum)
         raise Stopped(signum)
 
+    _stop_signal.clear()
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
 
@@ -246,7 +255,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"note: {args.audio} has {channels} channels; the video's audio is their mono mix",
                   file=sys.stderr)
         result, render_started_at = _render(args, request, out, hls)
-    except RenderError as exc:
+    except Exception as exc:
+        if _stop_signal:  # the stop surfaced as another error (a module load wraps what it reads)
+            return _stopped(_stop_signal[0], partial)
+        if not isinstance(exc, RenderError):
+            raise
         where = f" [{exc.field}]" if exc.field else ""
         print(f"longtake render: error{where}: {exc}", file=sys.stderr)
         return 2
