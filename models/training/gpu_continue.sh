@@ -6,8 +6,9 @@
 #   STEPS=tests bash bench/gpu_node_check.sh >/dev/null 2>&1 & bash models/training/gpu_continue.sh; wait
 #
 # 1. the VAE of $BASE is reused (`train_all --stage reuse-vae`): same latents, so its decoder stays valid;
-#    or, with VAE_STATE=FILE (train_vae's vae_state.pt of a new VAE, docs/quality.md), that VAE: new
-#    latents, so A2V and SR start from their seeded init and nothing is taken from $BASE;
+#    or, with VAE_STATE=FILE (train_vae's vae_state.pt of a new VAE, docs/quality.md, or that VAE
+#    exported by `train_all --stage export-vae`, a .safetensors), that VAE: new latents, so A2V and SR
+#    start from their seeded init and nothing is taken from $BASE;
 # 2. a latent cache of $CLIPS train clips and $HELDOUT held-out ones, built by $WORKERS CPU processes
 #    (960 clips: ~4x the CPU runs' 240 -- more identities for the longer training to see);
 # 3. train_a2v and train_sr side by side on the one GPU (tiny models: neither fills it), warm-started
@@ -35,8 +36,13 @@ mkdir -p "$OUT" "$D"
 log() { echo "[gpu_continue $(($(date +%s) - T0))s] $*" | tee -a "$OUT/gpu_continue.log"; }
 
 if [ -n "${VAE_STATE:-}" ]; then  # a new VAE: its latents are new, so nothing else of $BASE fits them
-  cp "$VAE_STATE" "$D/vae_state.pt" || exit 1
-  rm -f "$D/vae_final.pt"  # the cache workers rescale this VAE (train_all.final_vae), not an earlier one
+  rm -f "$D/vae_final.pt" "$D/vae_state.pt" "$D/vae_reused.json"  # no earlier VAE's files are read
+  case "$VAE_STATE" in
+    *.safetensors)  # exported (train_all --stage export-vae): rescaled already, its figures carried
+      "$PY" -m models.training.train_all --stage reuse-vae --from "$VAE_STATE" --cache-dir "$D" || exit 1 ;;
+    *)  # train_vae's state: the cache workers rescale it (train_all.final_vae)
+      cp "$VAE_STATE" "$D/vae_state.pt" || exit 1 ;;
+  esac
   FROM=()
 else
   "$PY" -m models.training.train_all --stage reuse-vae --from "$BASE" --cache-dir "$D" || exit 1

@@ -18,6 +18,11 @@ same command after an interruption; finished stages are skipped because their bu
 of the same preset becomes ``vae_final.pt``, and its ``vae_*`` metadata is carried into the new
 checkpoint. The VAE does not depend on the A2V / SR shapes, so a change there (``lowres_factor``,
 the window kinds) retrains only stages 2-7.
+
+``--stage export-vae --out FILE`` writes the VAE this cache trained (stage 1, rescaled) alone, as a
+checkpoint of the one module ``vae`` with its ``vae_*`` metadata: a new autoencoder that a retrain on
+its latents starts from on another machine or in a later session (``--stage reuse-vae --from FILE``;
+``models/training/gpu_continue.sh`` with ``VAE_STATE=FILE``), a few MB instead of the optimizer state.
 """
 
 from __future__ import annotations
@@ -188,16 +193,9 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
         if decoder_meta:  # this run retrained the reused decoder: the reused checkpoint's decoder figures go
             vae_meta = {k: v for k, v in vae_meta.items() if not k.startswith(DECODER_META)}
     else:
-        st_v = _state(cache_dir / "vae_state.pt")
-        vae_meta = {"vae_steps": str(st_v.step), "vae_minutes": f"{st_v.elapsed_s / 60:.1f}",
-                    "vae_heldout_psnr_db": f"{st_v.extra.get('heldout_psnr_db', float('nan')):.2f}",
-                    "vae_detail_weight": f"{st_v.extra.get('detail_weight', 0.0):g}",
-                    "vae_kl_weight": f"{st_v.extra.get('kl_weight', 1e-5):g}"}
+        vae_meta = trained_vae_metadata(cache_dir)
     meta = {
-        "preset": preset.name,
-        "seed": str(seed),
-        "git_commit": git_commit(),
-        "trained_on": "synthetic avatars (models.avatars), train identities [0, 1e6), train voices",
+        **_provenance(preset, seed),
         **vae_meta,
         **decoder_meta,
         **trained,
@@ -209,14 +207,45 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
     return meta
 
 
+def _provenance(preset: ModelPreset, seed: int) -> dict[str, str]:
+    return {"preset": preset.name, "seed": str(seed), "git_commit": git_commit(),
+            "trained_on": "synthetic avatars (models.avatars), train identities [0, 1e6), train voices"}
+
+
+def trained_vae_metadata(cache_dir: Path) -> dict[str, str]:
+    """The ``vae_*`` figures of the VAE stage 1 trained in ``cache_dir`` (its ``vae_state.pt``)."""
+    st = _state(cache_dir / "vae_state.pt")
+    return {"vae_steps": str(st.step), "vae_minutes": f"{st.elapsed_s / 60:.1f}",
+            "vae_heldout_psnr_db": f"{st.extra.get('heldout_psnr_db', float('nan')):.2f}",
+            "vae_detail_weight": f"{st.extra.get('detail_weight', 0.0):g}",
+            "vae_kl_weight": f"{st.extra.get('kl_weight', 1e-5):g}",
+            "vae_scale_equivariance": f"{st.extra.get('scale_equivariance', 0.0):g}"}
+
+
+def export_vae(preset: ModelPreset, cache_dir: Path, out: Path, seed: int) -> dict[str, str]:
+    """Write the VAE stage 1 trained in ``cache_dir`` (rescaled: :func:`final_vae`) alone into ``out``,
+    a checkpoint of the module ``vae`` that ``--stage reuse-vae --from out`` reads; returns its
+    metadata. Refuses a cache whose VAE was itself reused (nothing trained here to export)."""
+    if not (cache_dir / "vae_state.pt").is_file():
+        raise FileNotFoundError(
+            f"{cache_dir / 'vae_state.pt'} does not exist: export-vae writes a VAE trained in this cache dir "
+            "(models.training.train_vae --cache-dir ...); a reused one is already a checkpoint")
+    meta = {**_provenance(preset, seed), **trained_vae_metadata(cache_dir)}
+    save_checkpoint({"vae": final_vae(preset, cache_dir)}, out, metadata=meta)
+    log.info("vae written: %s (%.1f MB) %s", out, out.stat().st_size / 1e6, json.dumps(meta))
+    return meta
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--stage", choices=["all", "reuse-vae", "cache", "heldout-cache", "decoder", "chain", "assemble"],
+    p.add_argument("--stage", choices=["all", "reuse-vae", "cache", "heldout-cache", "decoder", "chain", "assemble",
+                                       "export-vae"],
                    default="all",
                    help="run one stage only (cache: --worker/--num-workers build shards in parallel; heldout-cache: "
                         "the same of held-out identities and voices in CACHE_DIR/heldout_latents, for "
                         "train_a2v --heldout-cache; "
-                        "reuse-vae: the VAE of --from instead of training one)")
+                        "reuse-vae: the VAE of --from instead of training one; export-vae: the VAE trained in "
+                        "CACHE_DIR alone into --out, for reuse-vae elsewhere)")
     p.add_argument("--from", dest="from_checkpoint", type=Path, default=None,
                    help="reuse-vae: the checkpoint whose VAE to reuse; chain: its SR when this run trained "
                         "none; assemble: its weights for every module this run did not train")
@@ -228,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="tiny")
     p.add_argument("--minutes-budget", type=float, default=75.0, help="training wall time (cache build excluded)")
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
-    p.add_argument("--out", type=Path, default=None, help="default models/checkpoints/<preset>.safetensors")
+    p.add_argument("--out", type=Path, default=None,
+                   help="default models/checkpoints/<preset>.safetensors (export-vae: required)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--clips", type=int, default=160, help="speech clips in the latent cache")
     p.add_argument("--clip-frames", type=int, default=36)
@@ -244,6 +274,11 @@ def main(argv: list[str] | None = None) -> int:
         if a.from_checkpoint is None:
             p.error("--stage reuse-vae needs --from CHECKPOINT (an earlier checkpoint of the same preset)")
         reuse_vae(preset, a.cache_dir, a.from_checkpoint)
+        return 0
+    if a.stage == "export-vae":
+        if a.out is None:  # never the shipped checkpoint's path by default: a VAE alone would replace it
+            p.error("--stage export-vae needs --out FILE (the VAE alone; not the shipped checkpoint)")
+        export_vae(preset, a.cache_dir, a.out, a.seed)
         return 0
     if a.stage in ("cache", "heldout-cache"):
         held = a.stage == "heldout-cache"

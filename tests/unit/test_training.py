@@ -314,6 +314,31 @@ def test_a2v_and_sr_train_resume_and_assemble(cache: Path) -> None:
     assert all(torch.equal(v, chained[k]) for k, v in fresh["vae"].state_dict().items())
 
 
+def test_export_vae_is_what_reuse_vae_reads_elsewhere(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """export-vae writes the cache's trained, rescaled VAE alone with its figures; reuse-vae in another
+    cache dir gets exactly those weights (so the same latents) and carries the figures."""
+    from models.training.train_all import export_vae, main, reuse_vae
+
+    p = small_preset()
+    run = tmp_path / "run"
+    trained = train_vae(p, run / "vae_state.pt", minutes=0.02, batch=2, crop=32, eval_frames=2, log_every=1,
+                        scale_equivariance=0.25)
+    meta = export_vae(p, run, tmp_path / "vae.safetensors", seed=0)
+    assert meta["vae_steps"] == str(trained["steps"]) and meta["vae_scale_equivariance"] == "0.25"
+    assert meta["preset"] == "tiny"
+    reuse_vae(p, tmp_path / "elsewhere", tmp_path / "vae.safetensors")
+    got = torch.load(tmp_path / "elsewhere" / "vae_final.pt")
+    want = final_vae(p, run).state_dict()  # rescaled: the latents the exporting machine's cache holds
+    assert set(got) == set(want) and all(torch.equal(v, got[k]) for k, v in want.items())
+    carried = json.loads((tmp_path / "elsewhere" / "vae_reused.json").read_text())
+    assert carried["vae_scale_equivariance"] == "0.25" and carried["vae_steps"] == meta["vae_steps"]
+    with pytest.raises(FileNotFoundError, match="vae_state.pt does not exist: export-vae writes a VAE trained"):
+        export_vae(p, tmp_path / "elsewhere", tmp_path / "again.safetensors", seed=0)
+    with pytest.raises(SystemExit):  # never the shipped checkpoint's default path
+        main(["--stage", "export-vae", "--cache-dir", str(run)])
+    assert "--stage export-vae needs --out FILE" in capsys.readouterr().err
+
+
 def test_reuse_vae_takes_weights_and_metadata_of_an_earlier_checkpoint(tmp_path: Path) -> None:
     from models.checkpoint import save_checkpoint
     from models.training.train_all import reuse_vae
