@@ -50,11 +50,8 @@ PRESET_NAMES = {
 
 
 class Stopped(KeyboardInterrupt):
-    """Raised in the main thread by SIGINT/SIGTERM (see :func:`_install_stop_handlers`)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+    """Raised in the main thread by SIGINT/SIGTERM (see :func:`_install_stop_handlers`, which records
+    the signal in ``_stop_signal``)."""
 
 
 def _positive_int(text: str) -> int:
@@ -182,7 +179,7 @@ def _install_stop_handlers() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _stop_signal.append(signum)
-        raise Stopped(signum)
+        raise Stopped(signal.Signals(signum).name)
 
     _stop_signal.clear()
     signal.signal(signal.SIGINT, _stop)
@@ -263,10 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         where = f" [{exc.field}]" if exc.field else ""
         print(f"longtake render: error{where}: {exc}", file=sys.stderr)
         return 2
-    except Stopped as exc:
-        return _stopped(exc.signum, partial)
-    except KeyboardInterrupt:  # a Ctrl-C before the handlers were installed
-        return _stopped(signal.SIGINT, partial)
+    except KeyboardInterrupt:  # Stopped by a recorded signal, or a Ctrl-C before the handlers were installed
+        return _stopped(_stop_signal[0] if _stop_signal else signal.SIGINT, partial)
     if result.random_init:
         print("note: the model runs on seeded RANDOM weights (no trained checkpoint for preset "
               f"{request.preset!r}); the video shows noise-like motion, not a trained avatar.", file=sys.stderr)
