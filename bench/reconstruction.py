@@ -41,7 +41,7 @@ def load_modules(checkpoint: Path | None = None, preset: str = "tiny", vae_state
     mods = build_modules(p)
     if vae_state is not None:
         blob = torch.load(vae_state, map_location="cpu", weights_only=False)
-        mods["vae"].load_state_dict(blob["modules"]["vae"] if "modules" in blob else blob)
+        mods["vae"].load_state_dict(blob["modules"]["vae"] if "modules" in blob else blob["vae"])
     else:
         ckpt = checkpoint or Path(os.environ.get("LONGTAKE_EVAL_CHECKPOINT", "") or
                                   REPO_ROOT / "models" / "checkpoints" / f"{preset}.safetensors")

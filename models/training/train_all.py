@@ -57,22 +57,45 @@ log = logging.getLogger(__name__)
 SHARES = {"vae": 0.2, "a2v": 0.45, "sr": 0.15, "decoder": 0.1, "chain": 0.1}
 
 
+def save_final_vae(path: Path, state_dict: dict[str, torch.Tensor], from_state_step: int | None) -> None:
+    """Write ``vae_final.pt`` atomically (temp file + rename: cache workers started together each
+    compute the same rescale, and none reads another's half-written file), with its source: the step
+    of this cache's ``vae_state.pt`` it was rescaled from, or ``None`` for a VAE reused from a checkpoint."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    torch.save({"vae": state_dict, "from_state_step": from_state_step}, tmp)
+    os.replace(tmp, path)
+
+
 def final_vae(preset: ModelPreset, cache_dir: Path) -> CausalVAE:
     """The trained, rescaled VAE (computed once from the VAE state, then read from ``vae_final.pt``).
-    The file is written atomically: cache workers started together each compute the same rescale, and
-    none reads another's half-written file."""
-    path = cache_dir / "vae_final.pt"
+
+    A ``vae_final.pt`` rescaled from an earlier step of ``vae_state.pt`` than the state holds now (the
+    VAE trained on after the latents were cached) is an error, not silently used: the latent cache and
+    anything trained on it came from that older VAE, so the fix is a new cache (the message says which
+    files to delete)."""
+    path, state_path = cache_dir / "vae_final.pt", cache_dir / "vae_state.pt"
     vae = CausalVAE(preset.vae)
     if path.is_file():
-        vae.load_state_dict(torch.load(path, map_location="cpu"))
+        blob = torch.load(path, map_location="cpu")
+        if "vae" not in blob:
+            raise ValueError(f"{path} is a bare state dict written before vae_final.pt recorded its source: "
+                             f"delete it and {cache_dir / 'latents'}, {cache_dir / 'heldout_latents'} and run "
+                             "--stage reuse-vae or the VAE stage and the cache stages again")
+        made_from = blob["from_state_step"]
+        if made_from is not None and state_path.is_file() and (now := _state(state_path).step) != made_from:
+            raise RuntimeError(
+                f"{path} was rescaled from step {made_from} of {state_path}, which is now at step {now} (the "
+                "VAE trained on): its latents are not this VAE's. Delete vae_final.pt, latents/ and "
+                f"heldout_latents/ in {cache_dir} and run the cache stages again, or train the VAE in a new "
+                "cache dir")
+        vae.load_state_dict(blob["vae"])
     else:
-        blob = torch.load(cache_dir / "vae_state.pt", map_location="cpu", weights_only=False)
+        blob = torch.load(state_path, map_location="cpu", weights_only=False)
         vae.load_state_dict(blob["modules"]["vae"])
         scales = finalize_vae(vae, preset)
         log.info("vae latent channel scales folded in: %s", [round(float(s), 4) for s in scales])
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        torch.save(vae.state_dict(), tmp)
-        os.replace(tmp, path)
+        save_final_vae(path, vae.state_dict(), TrainState(**blob["state"]).step)
     return vae.eval().requires_grad_(False)
 
 
@@ -107,8 +130,9 @@ def reuse_vae(preset: ModelPreset, cache_dir: Path, checkpoint: Path) -> None:
     vae = CausalVAE(preset.vae)
     # strict: a VAE of another shape is an error here, not at assembly
     meta = load_checkpoint({"vae": vae}, checkpoint, preset=preset.name)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(vae.state_dict(), cache_dir / "vae_final.pt")
+    if (cache_dir / "vae_state.pt").is_file():
+        log.warning("%s: the VAE reused from %s replaces the one trained here", cache_dir, checkpoint)
+    save_final_vae(cache_dir / "vae_final.pt", vae.state_dict(), None)
     # every VAE figure, the decoder stages' too: these are the decoder weights reused; a decoder stage
     # run on top replaces them at assembly
     carried = {k: v for k, v in meta.items() if k.startswith(("vae_", "chain_"))}

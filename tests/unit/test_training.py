@@ -18,7 +18,7 @@ from models.presets import ModelPreset, get_preset
 from models.training.common import load_state, step_generator
 from models.training.data import DETAIL_REGIONS, FrameSampler, LatentClips, build_latent_cache
 from models.training.train_a2v import A2VBatcher, train_a2v
-from models.training.train_all import assemble_checkpoint, chain_decoder, final_vae
+from models.training.train_all import assemble_checkpoint, chain_decoder, final_vae, save_final_vae
 from models.training.train_sr import blur_features, train_sr
 from models.training.train_vae import (
     SCALE_FACTORS,
@@ -171,7 +171,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     p = small_preset()
     torch.manual_seed(0)
     vae = CausalVAE(p.vae).eval()
-    torch.save(vae.state_dict(), d / "vae_final.pt")
+    save_final_vae(d / "vae_final.pt", vae.state_dict(), None)
     paths = build_latent_cache(vae, d / "latents", num_clips=3, clip_frames=1 + p.chunk_frames + p.context_frames,
                                shard_clips=2, size=64, synth=SpeechSynth(use_espeak=False))
     assert [q.name for q in paths] == ["shard_0000.pt", "shard_0001.pt"]
@@ -289,7 +289,7 @@ def test_a2v_and_sr_train_resume_and_assemble(cache: Path) -> None:
         train_a2v(p, old, cache / "a2v_old_state.pt", minutes=0.01, mouth_weight=6.0)
     # the VAE state the checkpoint reads (normally written by train_vae)
     mods = {"vae": CausalVAE(p.vae)}
-    mods["vae"].load_state_dict(torch.load(cache / "vae_final.pt"))
+    mods["vae"].load_state_dict(torch.load(cache / "vae_final.pt")["vae"])
     from models.training.common import TrainState, save_state
     save_state(cache / "vae_state.pt", mods, torch.optim.SGD(mods["vae"].parameters(), lr=0.1), TrainState(step=1))
     final_vae(p, cache)
@@ -327,7 +327,7 @@ def test_export_vae_is_what_reuse_vae_reads_elsewhere(tmp_path: Path, capsys) ->
     assert meta["vae_steps"] == str(trained["steps"]) and meta["vae_scale_equivariance"] == "0.25"
     assert meta["preset"] == "tiny"
     reuse_vae(p, tmp_path / "elsewhere", tmp_path / "vae.safetensors")
-    got = torch.load(tmp_path / "elsewhere" / "vae_final.pt")
+    got = torch.load(tmp_path / "elsewhere" / "vae_final.pt")["vae"]
     want = final_vae(p, run).state_dict()  # rescaled: the latents the exporting machine's cache holds
     assert set(got) == set(want) and all(torch.equal(v, got[k]) for k, v in want.items())
     carried = json.loads((tmp_path / "elsewhere" / "vae_reused.json").read_text())
@@ -339,6 +339,39 @@ def test_export_vae_is_what_reuse_vae_reads_elsewhere(tmp_path: Path, capsys) ->
     assert "--stage export-vae needs --out FILE" in capsys.readouterr().err
 
 
+def test_final_vae_of_an_older_vae_state_is_refused(tmp_path: Path) -> None:
+    """vae_final.pt records the vae_state.pt step it was rescaled from: once the VAE trains on, the
+    final file (and the latents cached with it) is refused with the fix, by the stages and by
+    export-vae, instead of being read as this VAE; a final rescaled again records the new step."""
+    from models.training.train_all import export_vae
+
+    p = small_preset()
+    run = tmp_path / "run"
+    train_vae(p, run / "vae_state.pt", minutes=0.01, batch=2, crop=32, eval_frames=2, log_every=1)
+    first = final_vae(p, run).state_dict()
+    blob = torch.load(run / "vae_state.pt", weights_only=False)
+    step = blob["state"]["step"]
+    assert torch.load(run / "vae_final.pt")["from_state_step"] == step
+    assert all(torch.equal(v, first[k]) for k, v in final_vae(p, run).state_dict().items())  # read back
+    blob["state"]["step"] = step + 5  # the VAE trained on in this cache dir
+    with torch.no_grad():
+        next(iter(blob["modules"]["vae"].values())).add_(1.0)
+    torch.save(blob, run / "vae_state.pt")
+    stale = f"rescaled from step {step} of .*now at step {step + 5}.*Delete vae_final.pt, latents/ and heldout_latents/"
+    with pytest.raises(RuntimeError, match=stale):
+        final_vae(p, run)
+    with pytest.raises(RuntimeError, match=stale):
+        export_vae(p, run, tmp_path / "vae.safetensors", seed=0)
+    assert not (tmp_path / "vae.safetensors").exists()
+    (run / "vae_final.pt").unlink()
+    again = final_vae(p, run).state_dict()
+    assert torch.load(run / "vae_final.pt")["from_state_step"] == step + 5
+    assert not all(torch.equal(v, first[k]) for k, v in again.items())
+    torch.save(again, run / "vae_final.pt")  # the bare state dict earlier versions wrote
+    with pytest.raises(ValueError, match="bare state dict.*delete it and .*latents"):
+        final_vae(p, run)
+
+
 def test_reuse_vae_takes_weights_and_metadata_of_an_earlier_checkpoint(tmp_path: Path) -> None:
     from models.checkpoint import save_checkpoint
     from models.training.train_all import reuse_vae
@@ -348,7 +381,7 @@ def test_reuse_vae_takes_weights_and_metadata_of_an_earlier_checkpoint(tmp_path:
     save_checkpoint(mods, tmp_path / "old.safetensors",
                     metadata={"preset": "tiny", "git_commit": "abc", "vae_steps": "7", "vae_chain_steps": "2"})
     reuse_vae(p, tmp_path / "cache", tmp_path / "old.safetensors")
-    got = torch.load(tmp_path / "cache" / "vae_final.pt")
+    got = torch.load(tmp_path / "cache" / "vae_final.pt")["vae"]
     assert all(torch.equal(v, got[k]) for k, v in mods["vae"].state_dict().items())
     import json
     carried = json.loads((tmp_path / "cache" / "vae_reused.json").read_text())
@@ -591,7 +624,7 @@ def test_heldout_loss_is_logged_recorded_and_is_the_shipped_weights(cache: Path,
     # the held-out cache stage (the real preset, two 3-frame clips): identities of the held-out split
     run = tmp_path / "run"
     run.mkdir()
-    torch.save(build_modules(get_preset("tiny"), seed=0)["vae"].state_dict(), run / "vae_final.pt")
+    save_final_vae(run / "vae_final.pt", build_modules(get_preset("tiny"), seed=0)["vae"].state_dict(), None)
     assert all_main(["--stage", "heldout-cache", "--clips", "2", "--clip-frames", "3", "--threads", "1",
                      "--cache-dir", str(run)]) == 0
     clips = LatentClips(run / "heldout_latents")
