@@ -84,15 +84,16 @@ class Stack:
         assert resp.status_code == 200, resp.text
         return dict(resp.json())
 
-    def wait(self, job_id: str, timeout: float = 30.0) -> dict[str, object]:
+    def wait(self, job_id: str, timeout: float = 30.0, token: str = TOKEN_A) -> dict[str, object]:
+        """The job once it has ended, as its owner (``token``) reads it."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            job = self.job(job_id)
+            job = self.job(job_id, token=token)
             if job["status"] in ("succeeded", "failed", "cancelled"):
                 return job
             time.sleep(0.1)
         logs = "\n".join(w.log_path.read_text()[-3000:] for w in self.workers)
-        raise TimeoutError(f"job {job_id} still {self.job(job_id)['status']} after {timeout} s\n{logs}")
+        raise TimeoutError(f"job {job_id} still {self.job(job_id, token=token)['status']} after {timeout} s\n{logs}")
 
     def segments(self, job_id: str) -> list[tuple[int, int, int, float]]:
         """(index, first_frame, num_frames, duration_s) of the committed segments."""
@@ -337,7 +338,7 @@ def test_bad_input_is_refused_and_nothing_else_is_affected(stack: Stack) -> None
             error, code = close_reason(ws)
             assert code == want_code and error.get("error") == want_error, (error, code, stack.job(job_id, TOKEN_B))
             assert fix in str(error["message"]), error
-            job = _wait_b(stack, job_id)
+            job = stack.wait(job_id, token=TOKEN_B)
             assert job["status"] == "failed" and job["error_code"] == "session_input", job
             assert job["session"]["end_reason"] == "error", job  # type: ignore[index]
             assert str(error["message"]) in str(job["error_message"]), job
@@ -349,7 +350,7 @@ def test_bad_input_is_refused_and_nothing_else_is_affected(stack: Stack) -> None
         ws.send(tone(0.1))
         error, code = close_reason(ws)
         assert code == 1008 and error["error"] == "audio_after_end", error
-        job = _wait_b(stack, job_id)
+        job = stack.wait(job_id, token=TOKEN_B)
         assert job["status"] == "succeeded" and job["session"]["end_reason"] == "closed", job  # type: ignore[index]
     finally:
         fed.join()
@@ -365,16 +366,6 @@ def _open_b(stack: Stack) -> tuple[str, ClientConnection]:
     expect(ws, "open")
     expect(ws, "ready")
     return job_id, ws
-
-
-def _wait_b(stack: Stack, job_id: str) -> dict[str, object]:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        job = stack.job(job_id, token=TOKEN_B)
-        if job["status"] in ("succeeded", "failed", "cancelled"):
-            return job
-        time.sleep(0.1)
-    raise TimeoutError(job_id)
 
 
 def test_second_sender_and_plain_jobs_are_refused(stack: Stack) -> None:
