@@ -249,13 +249,19 @@ def trained_vae_metadata(cache_dir: Path) -> dict[str, str]:
 def export_vae(preset: ModelPreset, cache_dir: Path, out: Path, seed: int) -> dict[str, str]:
     """Write the VAE stage 1 trained in ``cache_dir`` (rescaled: :func:`final_vae`) alone into ``out``,
     a checkpoint of the module ``vae`` that ``--stage reuse-vae --from out`` reads; returns its
-    metadata. Refuses a cache whose VAE was itself reused (nothing trained here to export)."""
+    metadata. Refuses a cache whose VAE was itself reused (nothing trained here to export, or a VAE
+    trained after reuse-vae, which the cache's latents are not of)."""
     if not (cache_dir / "vae_state.pt").is_file():
         raise FileNotFoundError(
             f"{cache_dir / 'vae_state.pt'} does not exist: export-vae writes a VAE trained in this cache dir "
             "(models.training.train_vae --cache-dir ...); a reused one is already a checkpoint")
     meta = {**_provenance(preset, seed), **trained_vae_metadata(cache_dir)}
-    save_checkpoint({"vae": final_vae(preset, cache_dir)}, out, metadata=meta)
+    vae = final_vae(preset, cache_dir)
+    if torch.load(cache_dir / "vae_final.pt", map_location="cpu")["from_state_step"] is None:
+        raise ValueError(f"{cache_dir / 'vae_final.pt'} is a VAE reused from a checkpoint (--stage reuse-vae), "
+                         "not the one trained here: export from a cache dir without reuse-vae, or delete "
+                         "vae_final.pt and the latent caches there")
+    save_checkpoint({"vae": vae}, out, metadata=meta)
     log.info("vae written: %s (%.1f MB) %s", out, out.stat().st_size / 1e6, json.dumps(meta))
     return meta
 

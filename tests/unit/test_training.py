@@ -334,6 +334,10 @@ def test_export_vae_is_what_reuse_vae_reads_elsewhere(tmp_path: Path, capsys) ->
     assert carried["vae_scale_equivariance"] == "0.25" and carried["vae_steps"] == meta["vae_steps"]
     with pytest.raises(FileNotFoundError, match="vae_state.pt does not exist: export-vae writes a VAE trained"):
         export_vae(p, tmp_path / "elsewhere", tmp_path / "again.safetensors", seed=0)
+    (tmp_path / "elsewhere" / "vae_state.pt").write_bytes((run / "vae_state.pt").read_bytes())  # trained there later
+    with pytest.raises(ValueError, match="a VAE reused from a checkpoint .*not the one trained here"):
+        export_vae(p, tmp_path / "elsewhere", tmp_path / "again.safetensors", seed=0)
+    assert not (tmp_path / "again.safetensors").exists()
     with pytest.raises(SystemExit):  # never the shipped checkpoint's default path
         main(["--stage", "export-vae", "--cache-dir", str(run)])
     assert "--stage export-vae needs --out FILE" in capsys.readouterr().err
