@@ -67,35 +67,39 @@ def save_final_vae(path: Path, state_dict: dict[str, torch.Tensor], from_state_s
     os.replace(tmp, path)
 
 
-def final_vae(preset: ModelPreset, cache_dir: Path) -> CausalVAE:
-    """The trained, rescaled VAE (computed once from the VAE state, then read from ``vae_final.pt``).
-
-    A ``vae_final.pt`` rescaled from an earlier step of ``vae_state.pt`` than the state holds now (the
-    VAE trained on after the latents were cached) is an error, not silently used: the latent cache and
-    anything trained on it came from that older VAE, so the fix is a new cache (the message says which
-    files to delete)."""
+def _final_vae_file(preset: ModelPreset, cache_dir: Path) -> tuple[dict[str, torch.Tensor], int | None]:
+    """``vae_final.pt``'s state dict and source (the ``vae_state.pt`` step, ``None`` if reused), rescaled from
+    ``vae_state.pt`` first if it does not exist yet. One rescaled from an earlier step of
+    ``vae_state.pt`` than the state holds now (the VAE trained on after the latents were cached) is an
+    error, not silently used: the latent cache and anything trained on it came from that older VAE, so
+    the fix is a new cache (the message says which files to delete)."""
     path, state_path = cache_dir / "vae_final.pt", cache_dir / "vae_state.pt"
-    vae = CausalVAE(preset.vae)
-    if path.is_file():
-        blob = torch.load(path, map_location="cpu")
-        if "vae" not in blob:
-            raise ValueError(f"{path} is a bare state dict written before vae_final.pt recorded its source: "
-                             f"delete it and {cache_dir / 'latents'}, {cache_dir / 'heldout_latents'} and run "
-                             "--stage reuse-vae or the VAE stage and the cache stages again")
-        made_from = blob["from_state_step"]
-        if made_from is not None and state_path.is_file() and (now := _state(state_path).step) != made_from:
-            raise RuntimeError(
-                f"{path} was rescaled from step {made_from} of {state_path}, which is now at step {now} (the "
-                "VAE trained on): its latents are not this VAE's. Delete vae_final.pt, latents/ and "
-                f"heldout_latents/ in {cache_dir} and run the cache stages again, or train the VAE in a new "
-                "cache dir")
-        vae.load_state_dict(blob["vae"])
-    else:
+    if not path.is_file():
+        vae = CausalVAE(preset.vae)
         blob = torch.load(state_path, map_location="cpu", weights_only=False)
         vae.load_state_dict(blob["modules"]["vae"])
         scales = finalize_vae(vae, preset)
         log.info("vae latent channel scales folded in: %s", [round(float(s), 4) for s in scales])
         save_final_vae(path, vae.state_dict(), TrainState(**blob["state"]).step)
+    final = torch.load(path, map_location="cpu")
+    if "vae" not in final:
+        raise ValueError(f"{path} is a bare state dict written before vae_final.pt recorded its source: "
+                         f"delete it and {cache_dir / 'latents'}, {cache_dir / 'heldout_latents'} and run "
+                         "--stage reuse-vae or the VAE stage and the cache stages again")
+    made_from = final["from_state_step"]
+    if made_from is not None and state_path.is_file() and (now := _state(state_path).step) != made_from:
+        raise RuntimeError(
+            f"{path} was rescaled from step {made_from} of {state_path}, which is now at step {now} (the "
+            "VAE trained on): its latents are not this VAE's. Delete vae_final.pt, latents/ and "
+            f"heldout_latents/ in {cache_dir} and run the cache stages again, or train the VAE in a new "
+            "cache dir")
+    return final["vae"], made_from
+
+
+def final_vae(preset: ModelPreset, cache_dir: Path) -> CausalVAE:
+    """The trained, rescaled VAE the cache's latents are encoded with (:func:`_final_vae_file`)."""
+    vae = CausalVAE(preset.vae)
+    vae.load_state_dict(_final_vae_file(preset, cache_dir)[0])
     return vae.eval().requires_grad_(False)
 
 
@@ -255,12 +259,14 @@ def export_vae(preset: ModelPreset, cache_dir: Path, out: Path, seed: int) -> di
         raise FileNotFoundError(
             f"{cache_dir / 'vae_state.pt'} does not exist: export-vae writes a VAE trained in this cache dir "
             "(models.training.train_vae --cache-dir ...); a reused one is already a checkpoint")
-    meta = {**_provenance(preset, seed), **trained_vae_metadata(cache_dir)}
-    vae = final_vae(preset, cache_dir)
-    if torch.load(cache_dir / "vae_final.pt", map_location="cpu")["from_state_step"] is None:
+    state_dict, made_from = _final_vae_file(preset, cache_dir)
+    if made_from is None:
         raise ValueError(f"{cache_dir / 'vae_final.pt'} is a VAE reused from a checkpoint (--stage reuse-vae), "
                          "not the one trained here: export from a cache dir without reuse-vae, or delete "
                          "vae_final.pt and the latent caches there")
+    vae = CausalVAE(preset.vae)
+    vae.load_state_dict(state_dict)
+    meta = {**_provenance(preset, seed), **trained_vae_metadata(cache_dir)}
     save_checkpoint({"vae": vae}, out, metadata=meta)
     log.info("vae written: %s (%.1f MB) %s", out, out.stat().st_size / 1e6, json.dumps(meta))
     return meta
