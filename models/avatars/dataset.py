@@ -112,11 +112,21 @@ class AvatarRenderer:
     def reference_eyes_box(self) -> Box:
         return self.face.eyes_box(HeadPose())
 
-    def coverage(self, truth: FrameTruth, regions: tuple[str, ...]) -> np.ndarray:
-        """``(size, size)`` float32 in [0, 1]: how much of each pixel of the frame ``truth`` describes
-        shows one of ``regions`` (the union of ``FaceRenderer.region_masks``; a few ms)."""
+    def coverage(self, truth: FrameTruth, regions: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """Two ``(size, size)`` float32 maps of the frame ``truth`` describes, from one call of
+        ``FaceRenderer.region_masks`` (a few ms): how much of each pixel shows one of ``regions`` (their
+        union, in [0, 1]), and each pixel's *share* of the regions it shows: every region visible in the
+        frame (at least one pixel's worth) sums to 1 over the frame, whatever its size, so a loss weighted
+        by the share counts an earring as much as the glasses."""
         masks = self.face.region_masks(truth.pose, truth.mouth_open, truth.mouth_width, truth.blink, names=regions)
-        return np.clip(sum(masks.values(), np.zeros((self.face.size, self.face.size), np.float32)), 0.0, 1.0)
+        union = np.zeros((self.face.size, self.face.size), np.float32)
+        share = np.zeros_like(union)
+        for m in masks.values():
+            union += m
+            area = float(m.sum())
+            if area >= 1.0:
+                share += m / area
+        return np.clip(union, 0.0, 1.0), share
 
     def frame(self, index: int, mouth_open: float, mouth_width: float) -> tuple[np.ndarray, FrameTruth]:
         pose, blink = self.motion.pose(index), self.motion.blink(index)
@@ -150,8 +160,10 @@ class AvatarClip:
     mouth_open: np.ndarray  # T float32 in [0, 1]
     mouth_box: np.ndarray  # T x 4 int32 (x0, y0, x1, y1)
     face_box: np.ndarray  # T x 4 int32
-    # T x H x W float32 coverage of the regions asked for (render_clip(detail_regions=...)), else None
+    # T x H x W float32 coverage of the regions asked for (render_clip(detail_regions=...)) and each
+    # pixel's share of them (AvatarRenderer.coverage), else None
     detail: np.ndarray | None = None
+    detail_share: np.ndarray | None = None
 
 
 def render_clip(identity_seed: int, clip_seed: int, num_frames: int, split: str = "train", size: int = 256,
@@ -163,8 +175,9 @@ def render_clip(identity_seed: int, clip_seed: int, num_frames: int, split: str 
     ``speech_pool``: utterances are drawn from this many per split (seeds ``0 .. pool-1``), so the
     synth's cache serves most clips without running espeak-ng (~5 s of speech each; 256 of them are
     ~90 MB of float32 per process); ``None`` makes a fresh utterance for every clip.
-    ``detail_regions``: also return each frame's coverage of these regions (``FaceRenderer.region_masks``,
-    a few ms per frame) as ``AvatarClip.detail``, for losses that weight the face's features."""
+    ``detail_regions``: also return each frame's coverage of these regions and each pixel's share of
+    them (:meth:`AvatarRenderer.coverage`, a few ms per frame) as ``AvatarClip.detail`` and
+    ``detail_share``, for losses that weight the face's features."""
     if num_frames < 1:
         raise ValueError(f"num_frames={num_frames}: must be >= 1")
     synth = synth or SpeechSynth()
@@ -185,13 +198,14 @@ def render_clip(identity_seed: int, clip_seed: int, num_frames: int, split: str 
     mbox = np.empty((num_frames, 4), dtype=np.int32)
     fbox = np.empty((num_frames, 4), dtype=np.int32)
     detail = None if detail_regions is None else np.zeros((num_frames, size, size), dtype=np.float32)
+    share = None if detail is None else np.zeros_like(detail)
     for t in range(num_frames):
         frames[t], truth = r.frame(t0 + t, float(opening[t]), float(width[t]))
         mbox[t], fbox[t] = truth.mouth_box, truth.face_box
-        if detail is not None and detail_regions is not None:
-            detail[t] = r.coverage(truth, detail_regions)
+        if detail is not None and share is not None and detail_regions is not None:
+            detail[t], share[t] = r.coverage(truth, detail_regions)
     return AvatarClip(identity_seed, clip_seed, utt.voice, r.reference(), frames, audio,
-                      opening.astype(np.float32), mbox, fbox, detail)
+                      opening.astype(np.float32), mbox, fbox, detail, share)
 
 
 def identity_for(split: str, seed: int, index: int, num_identities: int | None = None) -> int:

@@ -88,7 +88,7 @@ class FrameSampler:
                 truth = FrameTruth(0.0, truth.mouth_box, truth.face_box)  # neutral pose, mouth, eyes
             x = to_unit(img)
             refs.append(to_unit(r.reference()))
-            d = None if regions is None else torch.from_numpy(r.coverage(truth, regions))[None]  # (1, S, S)
+            d = None if regions is None else torch.from_numpy(r.coverage(truth, regions)[0])[None]  # (1, S, S)
             if crop is not None and crop < self.size:
                 y0, x0 = (int(v) for v in torch.randint(0, (self.size - crop) // 8 + 1, (2,), generator=gen) * 8)
                 x = x[:, y0 : y0 + crop, x0 : x0 + crop]
@@ -123,8 +123,11 @@ def build_latent_cache(vae: CausalVAE, out_dir: Path, num_clips: int, clip_frame
     float16 (the identity's neutral reference frame), ``audio`` (n, (T + 2*audio_context) * 640) float32
     (the audio of the clip with ``audio_context`` frames on each side, as the audio encoder wants it),
     ``mouth`` (n, T) float32, ``mouth_box`` (n, T, 4) int16 (each frame's mouth box in pixels, x0, y0, x1, y1:
-    where speech moves the face), ``identity`` (n,) int64 and ``detail`` (n, T, 32, 32) float16: the
-    fraction of each latent cell's pixels that show the face's small features (:data:`DETAIL_REGIONS`).
+    where speech moves the face), ``identity`` (n,) int64, ``detail`` (n, T, 32, 32) float16: the
+    fraction of each latent cell's pixels that show the face's small features (:data:`DETAIL_REGIONS`),
+    and ``detail_share`` (n, T, 32, 32) float16: each cell's share of those features, every feature
+    visible in a frame summing to 1 over its cells (:meth:`AvatarRenderer.coverage`); ``ref_detail`` and
+    ``ref_share`` (n, 32, 32) float16: the same two maps of the reference frame (:func:`reference_maps`).
     Existing shards are kept (resume).
     ``worker`` / ``num_workers``: this process builds shards ``s % num_workers == worker`` only (run
     several processes to build in parallel; the set of shards does not depend on the split).
@@ -142,7 +145,7 @@ def build_latent_cache(vae: CausalVAE, out_dir: Path, num_clips: int, clip_frame
         paths.append(path)
         if path.is_file() or s % num_workers != worker:
             continue
-        hr, ref, audio, mouth, mbox, ident, detail = [], [], [], [], [], [], []
+        hr, ref, audio, mouth, mbox, ident, detail, share, ref_maps = [], [], [], [], [], [], [], [], []
         for j in range(s * shard_clips, min(num_clips, (s + 1) * shard_clips)):
             rng = np.random.default_rng([seed, j, 17])
             identity = lo + int(rng.integers(span))
@@ -158,22 +161,40 @@ def build_latent_cache(vae: CausalVAE, out_dir: Path, num_clips: int, clip_frame
             mouth.append(torch.from_numpy(clip.mouth_open[audio_context : audio_context + clip_frames]))
             mbox.append(torch.from_numpy(clip.mouth_box[audio_context : audio_context + clip_frames]).short())
             ident.append(identity)
-            assert clip.detail is not None
+            assert clip.detail is not None and clip.detail_share is not None
             cover = torch.from_numpy(clip.detail[audio_context : audio_context + clip_frames])[:, None]  # (T, 1, S, S)
-            detail.append(torch.nn.functional.avg_pool2d(cover, size // z.shape[-1])[:, 0].half())
+            cell = size // z.shape[-1]
+            detail.append(torch.nn.functional.avg_pool2d(cover, cell)[:, 0].half())
+            part = torch.from_numpy(clip.detail_share[audio_context : audio_context + clip_frames])[:, None]
+            share.append((torch.nn.functional.avg_pool2d(part, cell) * cell * cell)[:, 0].half())  # sums kept
+            ref_maps.append(reference_maps(identity, size, cell))
         tmp = path.with_name(path.name + ".tmp")
         torch.save({"hr": torch.stack(hr), "ref": torch.stack(ref), "audio": torch.stack(audio),
                     "mouth": torch.stack(mouth), "mouth_box": torch.stack(mbox), "identity": torch.tensor(ident),
-                    "detail": torch.stack(detail)}, tmp)
+                    "detail": torch.stack(detail), "detail_share": torch.stack(share),
+                    "ref_detail": torch.stack([m[0] for m in ref_maps]),
+                    "ref_share": torch.stack([m[1] for m in ref_maps])}, tmp)
         tmp.replace(path)
         log.info("latent cache: shard %d/%d written (%.0f s)", s + 1, n_shards, time.monotonic() - t0)
     return paths
 
 
+def reference_maps(identity: int, size: int, cell: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The coverage of :data:`DETAIL_REGIONS` and each cell's share of them (:meth:`AvatarRenderer.coverage`)
+    in the identity's reference frame, on the latent grid of ``cell``-pixel cells: ``(size/cell,)*2``
+    float16 each (the coverage averaged over a cell's pixels, the share summed)."""
+    r = AvatarRenderer(identity, size=size)
+    cover, share = r.coverage(FrameTruth(0.0, r.reference_mouth_box(), r.reference_face_box()), DETAIL_REGIONS)
+    pool = torch.nn.functional.avg_pool2d
+    return (pool(torch.from_numpy(cover)[None, None], cell)[0, 0].half(),
+            (pool(torch.from_numpy(share)[None, None], cell) * cell * cell)[0, 0].half())
+
+
 class LatentClips:
     """Every cached shard in memory: ``hr`` (N, T, C, H, W) float32, ``ref`` (N, C, H, W), ``audio``
-    (N, S), ``mouth`` (N, T), ``mouth_box`` (N, T, 4) float32 pixels and ``detail`` (N, T, H, W), each None
-    for a cache written before it was kept.
+    (N, S), ``mouth`` (N, T), ``mouth_box`` (N, T, 4) float32 pixels, ``detail`` and ``detail_share``
+    (N, T, H, W), ``ref_detail`` and ``ref_share`` (N, H, W), each None for a cache written before it
+    was kept.
     Windows are sliced by the trainers."""
 
     def __init__(self, cache_dir: Path) -> None:
@@ -188,6 +209,11 @@ class LatentClips:
         self.mouth = torch.cat([b["mouth"] for b in blobs]).float()
         self.identity = torch.cat([b["identity"] for b in blobs])
         self.detail = torch.cat([b["detail"] for b in blobs]).float() if all("detail" in b for b in blobs) else None
+        self.detail_share = (torch.cat([b["detail_share"] for b in blobs]).float()
+                             if all("detail_share" in b for b in blobs) else None)
+        self.ref_detail, self.ref_share = ((torch.cat([b["ref_detail"] for b in blobs]).float(),
+                                            torch.cat([b["ref_share"] for b in blobs]).float())
+                                           if all("ref_share" in b for b in blobs) else (None, None))
         self.mouth_box = (torch.cat([b["mouth_box"] for b in blobs]).float()
                           if all("mouth_box" in b for b in blobs) else None)
         log.info("latent clips: %d clips x %d frames from %d shards", self.hr.shape[0], self.hr.shape[1], len(paths))

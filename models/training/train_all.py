@@ -209,6 +209,8 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
             trained.update({"sr_steps": str(st.step), "sr_minutes": f"{st.elapsed_s / 60:.1f}",
                             "sr_eval_l1": f"{st.extra.get('eval_l1', float('nan')):.4f}",
                             "sr_detail_weight": f"{st.extra.get('detail_weight', 0.0):g}",
+                            "sr_feature_weight": f"{st.extra.get('feature_weight', 0.0):g}",
+                            "sr_reference_share": f"{st.extra.get('reference_share', 0.0):g}",
                             "sr_feature_blur": f"{st.extra.get('feature_blur', 0.0):g}",
                             "sr_lr": f"{st.extra.get('lr', 1e-3):g}"})
             if "batch" in st.extra:

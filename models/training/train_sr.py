@@ -4,7 +4,9 @@ Who calls it: ``train_all`` (after the latent cache exists) or ``python -m model
 Input ``to_lowres(z)`` of a frame, corrupted by Gaussian noise of random strength (at inference the
 low-res latents come from the A2V sampler, not from the encoder), target ``z``; reference = the
 identity's neutral frame latent. Loss: L1 in latent space, each cell weighted by its distance to the
-reference's (``train_a2v.change_weights``: the mouth is a few cells of the frame). Frames are independent (SR is per frame),
+reference's (``train_a2v.change_weights``: the mouth is a few cells of the frame); ``--feature-weight W``
+adds W cells' worth of weight to each of the face's features in a frame, spread over its cells, so an
+earring counts as much as the glasses (:func:`sr_weights`). Frames are independent (SR is per frame),
 so a batch is a random set of frames of random clips. ``--feature-blur P`` washes the face's small
 features out of the low-res input of a share P of each batch (:func:`blur_features`), as the A2V's
 latents lose them, so the SR learns to take them from the reference (issue 15).
@@ -56,29 +58,58 @@ def blur_features(lr_BChw: torch.Tensor, detail_BHW: torch.Tensor, mouth_box_B4:
 
 
 def sr_batch(clips: LatentClips, lr_all: torch.Tensor, gen: torch.Generator, size: int, noise: float,
-             feature_blur: float = 0.0, cell_px: float = 16.0
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+             feature_blur: float = 0.0, cell_px: float = 16.0, reference_share: float = 0.0,
+             ref_lr: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(lr input (B, C, 1, h, w) with noise, hr target (B, C, 1, H, W), ref (B, C, H, W), the cells'
-    detail coverage (B, 1, H, W) or None when the cache has none). ``feature_blur`` > 0: that share of
-    the batch gets :func:`blur_features` at a random strength (``cell_px``: a low-res cell in pixels)."""
+    detail coverage and feature share (B, 1, H, W) each, None when the cache has none). ``feature_blur``
+    > 0: that share of the batch gets :func:`blur_features` at a random strength (``cell_px``: a low-res
+    cell in pixels). ``reference_share`` > 0: that share of the batch is the clip's reference frame
+    itself (target the reference latent, input ``ref_lr``, its low-res latent, with the same noise and
+    blur), the one frame where copying the reference cell by cell is exactly right."""
     idx = torch.randint(clips.num_clips, (size,), generator=gen)
     fr = torch.randint(clips.clip_frames, (size,), generator=gen)
     hr = clips.hr[idx, fr][:, :, None]
     lr = lr_all[idx, fr][:, :, None]
-    sig = torch.rand(size, 1, 1, 1, 1, generator=gen) * noise
     detail = None if clips.detail is None else clips.detail[idx, fr][:, None]
+    share = None if clips.detail_share is None else clips.detail_share[idx, fr][:, None]
+    if reference_share > 0.0:
+        assert ref_lr is not None and clips.ref_detail is not None and clips.ref_share is not None  # train_sr checks
+        on = torch.rand(size, generator=gen) < reference_share
+        hr = torch.where(on[:, None, None, None, None], clips.ref[idx][:, :, None], hr)
+        lr = torch.where(on[:, None, None, None, None], ref_lr[idx][:, :, None], lr)
+        detail = torch.where(on[:, None, None, None], clips.ref_detail[idx][:, None], detail)
+        share = torch.where(on[:, None, None, None], clips.ref_share[idx][:, None], share)
+    sig = torch.rand(size, 1, 1, 1, 1, generator=gen) * noise
     lr = lr + sig * torch.randn(lr.shape, generator=gen)
     if feature_blur > 0.0:
         assert detail is not None and clips.mouth_box is not None  # train_sr checks the cache
         strength = torch.rand(size, generator=gen) * (torch.rand(size, generator=gen) < feature_blur)
         lr = blur_features(lr[:, :, 0], detail[:, 0], clips.mouth_box[idx, fr], strength, cell_px)[:, :, None]
-    return lr, hr, clips.ref[idx], detail
+    return lr, hr, clips.ref[idx], detail, share
+
+
+def sr_weights(y_BC1HW: torch.Tensor, ref_BCHW: torch.Tensor, detail: torch.Tensor | None,
+               share: torch.Tensor | None, detail_weight: float, feature_weight: float) -> torch.Tensor:
+    """Per-cell loss weights ``(B, 1, H, W)``: the change weight (:func:`change_weights`) times ``1 +
+    detail_weight x`` the cell's feature coverage, plus ``feature_weight x`` its feature share (each
+    feature visible in the frame sums to 1 over its cells, so it adds ``feature_weight`` cells' worth of
+    weight whatever its size: a pair of earrings, ~70 pixels over 5-7 cells of 8 x 8, gets as much as
+    the glasses, ~350 pixels over ~28 cells)."""
+    w = change_weights(y_BC1HW, ref_BCHW)
+    if detail_weight > 0.0:
+        assert detail is not None  # train_sr checks the cache
+        w = w * (1.0 + detail_weight * detail)
+    if feature_weight > 0.0:
+        assert share is not None
+        w = w + feature_weight * share
+    return w
 
 
 @torch.no_grad()
 def sr_eval(sr: SRDiT, clips: LatentClips, lr_all: torch.Tensor, count: int = 64) -> float:
     """L1 of the SR output vs the hr latent on a fixed set of frames (clean low-res input)."""
-    lr, hr, ref, _ = sr_batch(clips, lr_all, torch.Generator().manual_seed(4242), count, 0.0)
+    lr, hr, ref, _, _ = sr_batch(clips, lr_all, torch.Generator().manual_seed(4242), count, 0.0)
     b = on_device({"lr": lr, "hr": hr, "ref": ref}, next(sr.parameters()).device)
     return float((sr(b["lr"], b["ref"]) - b["hr"]).abs().mean())
 
@@ -86,7 +117,8 @@ def sr_eval(sr: SRDiT, clips: LatentClips, lr_all: torch.Tensor, count: int = 64
 def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes: float, seed: int = 0,
              batch: int = 16, lr: float = 1e-3, noise: float = 0.15, log_every: int = 20,
              save_every_s: float = 120.0, threads: int | None = None, detail_weight: float = 0.0,
-             feature_blur: float = 0.0, init_from: Path | None = None, device: str = "cpu",
+             feature_weight: float = 0.0, feature_blur: float = 0.0, reference_share: float = 0.0,
+             init_from: Path | None = None, device: str = "cpu",
              reinit_reshaped: bool = False) -> dict[str, float]:
     """Train (or resume) until ``minutes`` of wall time in total; returns final figures.
 
@@ -95,7 +127,10 @@ def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes:
     changed since keep the seeded init: the head at zero, the reference windows as no-ops).
 
     ``detail_weight`` > 0 multiplies each cell's change weight by ``1 + detail_weight * coverage`` of
-    the face's small features (the latent cache's ``detail``; issue 15). ``feature_blur`` > 0: that share
+    the face's small features (the latent cache's ``detail``; issue 15); ``feature_weight`` > 0 adds that
+    many cells' worth of weight to each feature visible in a frame (``detail_share``; :func:`sr_weights`).
+    ``reference_share`` > 0: that share of each batch is the reference frame itself (:func:`sr_batch`).
+    ``feature_blur`` > 0: that share
     of each batch has its features washed out of the low-res input (:func:`blur_features`), so the SR
     learns to restore them from the reference.
 
@@ -116,11 +151,19 @@ def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes:
     if detail_weight > 0.0 and clips.detail is None:
         raise ValueError(f"detail_weight={detail_weight}: the latent cache in {cache_dir} has no detail maps "
                          "(written before they were kept); delete it and build it again (train_all --stage cache)")
+    if feature_weight > 0.0 and clips.detail_share is None:
+        raise ValueError(f"feature_weight={feature_weight}: the latent cache in {cache_dir} has no feature shares "
+                         "(written before they were kept); delete it and build it again (train_all --stage cache)")
+    if reference_share > 0.0 and clips.ref_share is None:
+        raise ValueError(f"reference_share={reference_share}: the latent cache in {cache_dir} has no reference "
+                         "feature maps (written before they were kept); delete it and build it again "
+                         "(train_all --stage cache)")
     if feature_blur > 0.0 and (clips.detail is None or clips.mouth_box is None):
         raise ValueError(f"feature_blur={feature_blur}: the latent cache in {cache_dir} has no detail maps or mouth "
                          "boxes (written before they were kept); delete it and build it again (train_all --stage cache)")
     cell_px = float(preset.vae_factor * preset.lowres_factor)
     lr_all = lowres(clips.hr, preset.lowres_factor)  # (N, T, C, h, w)
+    ref_lr = lowres(clips.ref[:, None], preset.lowres_factor)[:, 0]  # (N, C, h, w)
     budget = Budget(minutes, st.elapsed_s)
     losses = LossLog(state_path.with_suffix(".jsonl"), "sr")
     if "bilinear_l1" not in st.extra:
@@ -132,14 +175,13 @@ def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes:
     last_save = budget.elapsed_s
     while not budget.done():
         gen = step_generator(seed, st.step, 2)
-        x, y, ref, detail = sr_batch(clips, lr_all, gen, batch, noise, feature_blur, cell_px)
-        b = on_device({"x": x, "y": y, "ref": ref, "detail": detail}, next(sr.parameters()).device)
-        x, y, ref, detail = b["x"], b["y"], b["ref"], b["detail"]
+        x, y, ref, detail, share = sr_batch(clips, lr_all, gen, batch, noise, feature_blur, cell_px,
+                                            reference_share, ref_lr)
+        b = on_device({"x": x, "y": y, "ref": ref, "detail": detail, "share": share}, next(sr.parameters()).device)
         for g in opt.param_groups:
             g["lr"] = cosine_lr(lr, budget.fraction)
-        w = change_weights(y, ref)  # (B, 1, H, W)
-        if detail is not None and detail_weight > 0.0:
-            w = w * (1.0 + detail_weight * detail)
+        x, y, ref = b["x"], b["y"], b["ref"]
+        w = sr_weights(y, ref, b["detail"], b["share"], detail_weight, feature_weight)  # (B, 1, H, W)
         loss = ((sr(x, ref) - y).abs().mean(dim=1) * w).sum() / w.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -156,6 +198,8 @@ def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes:
             last_save = budget.elapsed_s
     st.elapsed_s = budget.elapsed_s
     st.extra["detail_weight"] = detail_weight
+    st.extra["feature_weight"] = feature_weight
+    st.extra["reference_share"] = reference_share
     st.extra["feature_blur"] = feature_blur
     st.extra["lr"] = lr
     st.extra["batch"] = batch
@@ -179,6 +223,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="peak learning rate of the cosine schedule (a continuation of a trained SR: lower)")
     p.add_argument("--detail-weight", type=float, default=0.0,
                    help="extra loss weight on latent cells showing the face's small features (issue 15)")
+    p.add_argument("--feature-weight", type=float, default=0.0,
+                   help="cells' worth of extra loss weight for each of the face's features in a frame, spread over "
+                        "its cells: small features (earrings, nostrils) count as much as large ones (issue 15)")
+    p.add_argument("--reference-share", type=float, default=0.0,
+                   help="share of each batch that is the reference frame itself (input its low-res latent, target "
+                        "the reference): teaches the copy from the reference cell by cell (issue 15)")
     p.add_argument("--feature-blur", type=float, default=0.0,
                    help="share of each batch whose low-res input has the face's features washed out (issue 15)")
     p.add_argument("--from", dest="from_checkpoint", type=Path, default=None,
@@ -192,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(a.cache_dir / "train.log")
     out = train_sr(get_preset(a.preset), a.cache_dir / "latents", a.cache_dir / "sr_state.pt", minutes=a.minutes,
                    seed=a.seed, lr=a.lr, threads=a.threads, detail_weight=a.detail_weight,
+                   feature_weight=a.feature_weight, reference_share=a.reference_share,
                    feature_blur=a.feature_blur, init_from=a.from_checkpoint, device=a.device, batch=a.batch,
                    reinit_reshaped=a.reinit_reshaped)
     log.info("sr done: %s", out)

@@ -17,9 +17,9 @@ from models.checkpoint import CheckpointError, build_modules, load_checkpoint
 from models.presets import ModelPreset, get_preset
 from models.training.common import load_state, step_generator
 from models.training.data import DETAIL_REGIONS, FrameSampler, LatentClips, build_latent_cache
-from models.training.train_a2v import A2VBatcher, train_a2v
+from models.training.train_a2v import A2VBatcher, lowres, train_a2v
 from models.training.train_all import assemble_checkpoint, chain_decoder, final_vae, save_final_vae
-from models.training.train_sr import blur_features, train_sr
+from models.training.train_sr import blur_features, sr_batch, sr_weights, train_sr
 from models.training.train_vae import (
     SCALE_FACTORS,
     finalize_vae,
@@ -186,6 +186,18 @@ def test_latent_cache_layout_and_windows(cache: Path) -> None:
     # the face's features per latent cell: a fraction, on the face only (the corner cells are background)
     assert clips.detail is not None and clips.detail.shape == (3, 21, 8, 8)
     assert 0.0 < float(clips.detail.max()) <= 1.0 and float(clips.detail[..., 0, 0].max()) == 0.0
+    # each cell's share of the features: every feature in view sums to 1 over the frame's cells, on the
+    # cells the coverage marks and nowhere else
+    share = clips.detail_share
+    assert share is not None and share.shape == clips.detail.shape
+    per_frame = share.sum(dim=(-2, -1))
+    assert torch.allclose(per_frame, per_frame.round(), atol=0.02) and float(per_frame.round().min()) >= 5
+    assert bool(((share > 0) == (clips.detail > 0)).all())
+    # the same two maps of each clip's reference frame
+    assert clips.ref_detail is not None and clips.ref_share is not None and clips.ref_share.shape == (3, 8, 8)
+    assert bool(((clips.ref_share > 0) == (clips.ref_detail > 0)).all())
+    ref_features = clips.ref_share.sum(dim=(-2, -1))
+    assert torch.allclose(ref_features, ref_features.round(), atol=0.02) and float(ref_features.round().min()) >= 4  # brows, nose, eyes, lips: the mouth is shut
     assert clips.mouth_box is not None and clips.mouth_box.shape == (3, 21, 4)
     assert p.reference_frame and p.lowres_factor == 2
     b = A2VBatcher(clips, p)
@@ -250,6 +262,47 @@ def test_blur_features_washes_out_the_features_but_not_the_mouth() -> None:
     assert torch.equal(out[1], lr[1])  # strength 0
 
 
+def test_feature_weight_counts_a_small_feature_as_much_as_a_large_one() -> None:
+    """sr_weights: the change weight alone without feature weights; the detail weight scales cells by
+    their coverage, so a feature's total weight grows with its size; the feature weight adds the same
+    total to every feature, a one-cell earring as much as eight cells of glasses."""
+    y = torch.zeros(1, 8, 1, 4, 4)
+    ref = torch.zeros(1, 8, 4, 4)
+    detail = torch.zeros(1, 1, 4, 4)
+    share = torch.zeros(1, 1, 4, 4)
+    detail[0, 0, 0, 0] = 0.5  # the earring: half of one cell
+    share[0, 0, 0, 0] = 1.0
+    detail[0, 0, 2:4, :] = 1.0  # the glasses: eight cells filled
+    share[0, 0, 2:4, :] = 1 / 8
+    plain = sr_weights(y, ref, detail, share, 0.0, 0.0)
+    assert torch.allclose(plain, torch.ones_like(plain))  # nothing moves, no feature weight: the plain loss
+    extra_d = sr_weights(y, ref, detail, share, 4.0, 0.0) - plain
+    assert float(extra_d[0, 0, 0, 0]) == pytest.approx(2.0) and float(extra_d[0, 0, 2:].sum()) == pytest.approx(32.0)
+    extra_f = sr_weights(y, ref, detail, share, 0.0, 16.0) - plain
+    assert float(extra_f[0, 0, 0, 0]) == pytest.approx(16.0) and float(extra_f[0, 0, 2:].sum()) == pytest.approx(16.0)
+    assert float(extra_f[0, 0, 1].abs().sum()) == 0.0  # no feature, no weight
+
+
+def test_sr_batch_reference_share_is_the_reference_frame(cache: Path) -> None:
+    """reference_share 1: every row is its clip's reference (target, low-res input, maps); 0: none is,
+    and the batch is the one drawn without the option (same generator, same frames)."""
+    p = small_preset()
+    clips = LatentClips(cache / "latents")
+    lr_all = lowres(clips.hr, p.lowres_factor)
+    ref_lr = lowres(clips.ref[:, None], p.lowres_factor)[:, 0]
+    lr, hr, ref, detail, share = sr_batch(clips, lr_all, step_generator(0, 1), 6, 0.0, reference_share=1.0,
+                                          ref_lr=ref_lr)
+    assert clips.ref_detail is not None and clips.ref_share is not None and detail is not None and share is not None
+    for b in range(6):
+        i = int((clips.ref == ref[b]).flatten(1).all(dim=1).nonzero()[0])
+        assert torch.equal(hr[b, :, 0], clips.ref[i]) and torch.equal(lr[b, :, 0], ref_lr[i])
+        assert torch.equal(detail[b, 0], clips.ref_detail[i]) and torch.equal(share[b, 0], clips.ref_share[i])
+    plain = sr_batch(clips, lr_all, step_generator(0, 1), 6, 0.1)
+    none = sr_batch(clips, lr_all, step_generator(0, 1), 6, 0.1, reference_share=1e-9, ref_lr=ref_lr)
+    assert torch.equal(plain[1], none[1])  # the same frames; the option's draw only moves the noise
+    assert not any(torch.equal(none[1][b], clips.ref[i]) for b in range(6) for i in range(3))
+
+
 def test_a2v_and_sr_train_resume_and_assemble(cache: Path) -> None:
     p = small_preset()
     a1 = train_a2v(p, cache / "latents", cache / "a2v_state.pt", minutes=0.05, batch_n=2, batch_i=4, log_every=2)
@@ -271,13 +324,27 @@ def test_a2v_and_sr_train_resume_and_assemble(cache: Path) -> None:
     # repeat): same seed, batch and init as the plain run, so the weight alone can change it
     assert _first_logged_loss(cache / "sr_state.pt") != pytest.approx(_first_logged_loss(cache / "sr_detail_state.pt"),
                                                                         rel=1e-3)
+    sf = train_sr(p, cache / "latents", cache / "sr_feature_state.pt", minutes=0.02, batch=8, log_every=1,
+                  feature_weight=32.0)
+    assert sf["feature_weight"] == 32.0 and sd["feature_weight"] == 0.0
+    assert _first_logged_loss(cache / "sr_state.pt") != pytest.approx(
+        _first_logged_loss(cache / "sr_feature_state.pt"), rel=1e-3)
+    sr_ref = train_sr(p, cache / "latents", cache / "sr_ref_state.pt", minutes=0.02, batch=8, log_every=1,
+                      reference_share=0.5)
+    assert sr_ref["reference_share"] == 0.5 and sf["reference_share"] == 0.0
+    assert _first_logged_loss(cache / "sr_state.pt") != pytest.approx(_first_logged_loss(cache / "sr_ref_state.pt"),
+                                                                        rel=1e-3)
     old = cache / "old_latents"  # a cache written before the detail maps were kept
     old.mkdir()
     blob = torch.load(cache / "latents" / "shard_0000.pt")
-    del blob["detail"], blob["mouth_box"]
+    del blob["detail"], blob["mouth_box"], blob["detail_share"], blob["ref_detail"], blob["ref_share"]
     torch.save(blob, old / "shard_0000.pt")
     with pytest.raises(ValueError, match="no detail maps.*build it again"):
         train_sr(p, old, cache / "sr_old_state.pt", minutes=0.01, detail_weight=8.0)
+    with pytest.raises(ValueError, match="feature_weight=32.0: .*no feature shares.*build it again"):
+        train_sr(p, old, cache / "sr_old_state.pt", minutes=0.01, feature_weight=32.0)
+    with pytest.raises(ValueError, match="reference_share=0.5: .*no reference feature maps.*build it again"):
+        train_sr(p, old, cache / "sr_old_state.pt", minutes=0.01, reference_share=0.5)
     with pytest.raises(ValueError, match="feature_blur=0.5.*no detail maps or mouth boxes.*build it again"):
         train_sr(p, old, cache / "sr_old_state.pt", minutes=0.01, feature_blur=0.5)
     sb = train_sr(p, cache / "latents", cache / "sr_blur_state.pt", minutes=0.02, batch=8, log_every=1,
@@ -306,6 +373,7 @@ def test_a2v_and_sr_train_resume_and_assemble(cache: Path) -> None:
     assert c["steps"] >= 1 and 0 < c["heldout_psnr_db"] < 60
     meta = assemble_checkpoint(p, cache, out, seed=0)
     assert meta["vae_chain_steps"] == str(c["steps"]) and meta["sr_detail_weight"] == "0" and meta["sr_lr"] == "0.001"
+    assert meta["sr_feature_weight"] == "0" and meta["sr_reference_share"] == "0"
     assert meta["a2v_mouth_weight"] == "0"
     assert meta["sr_batch"] == "8" and meta["a2v_batch_n"] == "2" and meta["a2v_batch_i"] == "4"
     chained = torch.load(cache / "vae_chain_state.pt", weights_only=False)["modules"]["vae"]
