@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CLONE_DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]  # read on a fresh clone
 DOCS = [*CLONE_DOCS, *sorted((ROOT / "ops").glob("*.md"))]  # ops/: run inside the images, their python
 # read by tests and benchmarks themselves, not by Settings
-NOT_SETTINGS = {"LONGTAKE_TEST_OUTAGE_S", "LONGTAKE_EVAL_THREADS", "LONGTAKE_EVAL_CHECKPOINT",
+NOT_SETTINGS = {"LONGTAKE_TEST_OUTAGE_S", "LONGTAKE_EVAL_THREADS", "LONGTAKE_EVAL_CHECKPOINT", "LONGTAKE_EVAL_OPTIONS",
                 "LONGTAKE_QUALITY_PRESET", "LONGTAKE_FAKE_RENDER_LOG"}
 
 

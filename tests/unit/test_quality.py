@@ -243,3 +243,28 @@ def test_a_narrow_face_is_scored_with_less_erosion() -> None:
     with pytest.raises(ValueError, match="face pixels"):  # a face that is all mouth still fails
         QualityMeter(ref, mouth_box=(28, 36, 36, 44), face_box=(28, 36, 36, 44), fps=25)
 
+
+
+def test_eval_options_reach_the_family(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LONGTAKE_EVAL_OPTIONS: unset is the preset's settings; a malformed value names the variable and
+    the form it wants; a JSON object goes into the request, where the family checks it as a job's."""
+    from bench.quality_render import eval_options, render_for_quality
+
+    monkeypatch.delenv("LONGTAKE_EVAL_OPTIONS", raising=False)
+    assert eval_options() == {}
+    monkeypatch.setenv("LONGTAKE_EVAL_OPTIONS", '{"audio_guidance": 2.0, "steps": 3}')
+    assert eval_options() == {"audio_guidance": 2.0, "steps": 3}
+    for bad in ("audio_guidance=2", '["audio_guidance", 2]', '{"audio_guidance": true}'):
+        monkeypatch.setenv("LONGTAKE_EVAL_OPTIONS", bad)
+        with pytest.raises(ValueError, match=r"LONGTAKE_EVAL_OPTIONS=.*audio_guidance\": 2.0"):
+            eval_options()
+    from PIL import Image
+
+    Image.fromarray(AvatarRenderer(1_000_000).reference()).save(tmp_path / "ref.png")
+    write_wav(tmp_path / "a.wav", speechlike_signal(0, 1.0))
+    monkeypatch.setenv("LONGTAKE_EVAL_OPTIONS", '{"audio_guidanse": 2.0}')
+    from pipeline.errors import InvalidInputError
+
+    frames, _ = render_for_quality(tmp_path / "ref.png", tmp_path / "a.wav", 1.0, True, tmp_path)
+    with pytest.raises(InvalidInputError, match="options.audio_guidanse: the tiny family takes"):
+        next(iter(frames))  # the family's own check, raised in the render thread, surfaced here
