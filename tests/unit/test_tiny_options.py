@@ -317,3 +317,25 @@ def test_audio_guidance_peak_reaches_the_a2v(speech) -> None:  # type: ignore[no
     # a peak equal to the guidance is the uniform guidance, bit for bit
     flat, _ = _render(dataclasses.replace(request, options={"audio_guidance_peak": GUIDANCE}), warm)
     assert np.array_equal(flat, default)
+
+
+def test_tiny_next_renders_as_its_model_card_says(speech) -> None:  # type: ignore[no-untyped-def]
+    """models/checkpoints/tiny-next.safetensors, the retrain in progress, committed beside the default:
+    it loads strictly through the family (the tiny preset's modules, every tensor present) and renders
+    with the guidance its card gives (2.0); its metadata records the SR recipe the card and
+    docs/training.md give."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    path = Path(__file__).resolve().parents[2] / "models" / "checkpoints" / "tiny-next.safetensors"
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    assert meta["preset"] == "tiny" and meta["sr_feature_weight"] == "128" and meta["sr_reference_share"] == "0.1"
+    assert meta["vae_scale_equivariance"] == "0.25" and meta["latent_clips"] == "480"
+    request = RenderRequest(image=DEMO_IMAGE, audio=speech(0.64), seed=2, checkpoint=path,
+                            options={"audio_guidance": 2.0})
+    frames, _ = _render(request, FamilyRuntime(TINY, get_preset("tiny"), path))
+    shipped, _ = _render(request, _runtime())
+    assert frames.shape == shipped.shape == (16, 256, 256, 3) and frames.dtype == np.uint8
+    assert not np.array_equal(frames, shipped)
