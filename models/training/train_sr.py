@@ -66,7 +66,8 @@ def sr_batch(clips: LatentClips, lr_all: torch.Tensor, gen: torch.Generator, siz
     > 0: that share of the batch gets :func:`blur_features` at a random strength (``cell_px``: a low-res
     cell in pixels). ``reference_share`` > 0: that share of the batch is the clip's reference frame
     itself (target the reference latent, input ``ref_lr``, its low-res latent, with the same noise and
-    blur), the one frame where copying the reference cell by cell is exactly right."""
+    blur; the blur spares the mouth box of the frame the row replaced, the cache keeps none for the
+    reference, whose mouth is shut), the one frame where copying the reference cell by cell is exactly right."""
     idx = torch.randint(clips.num_clips, (size,), generator=gen)
     fr = torch.randint(clips.clip_frames, (size,), generator=gen)
     hr = clips.hr[idx, fr][:, :, None]
