@@ -197,13 +197,13 @@ def render_clip(identity_seed: int, clip_seed: int, num_frames: int, split: str 
     frames = np.empty((num_frames, size, size, 3), dtype=np.uint8)
     mbox = np.empty((num_frames, 4), dtype=np.int32)
     fbox = np.empty((num_frames, 4), dtype=np.int32)
-    detail = None if detail_regions is None else np.zeros((num_frames, size, size), dtype=np.float32)
-    share = None if detail is None else np.zeros_like(detail)
+    maps = []  # (coverage, share) per frame, with detail_regions
     for t in range(num_frames):
         frames[t], truth = r.frame(t0 + t, float(opening[t]), float(width[t]))
         mbox[t], fbox[t] = truth.mouth_box, truth.face_box
-        if detail is not None and share is not None and detail_regions is not None:
-            detail[t], share[t] = r.coverage(truth, detail_regions)
+        if detail_regions is not None:
+            maps.append(r.coverage(truth, detail_regions))
+    detail, share = (np.stack([m[0] for m in maps]), np.stack([m[1] for m in maps])) if maps else (None, None)
     return AvatarClip(identity_seed, clip_seed, utt.voice, r.reference(), frames, audio,
                       opening.astype(np.float32), mbox, fbox, detail, share)
 

@@ -162,11 +162,11 @@ def build_latent_cache(vae: CausalVAE, out_dir: Path, num_clips: int, clip_frame
             mbox.append(torch.from_numpy(clip.mouth_box[audio_context : audio_context + clip_frames]).short())
             ident.append(identity)
             assert clip.detail is not None and clip.detail_share is not None
-            cover = torch.from_numpy(clip.detail[audio_context : audio_context + clip_frames])[:, None]  # (T, 1, S, S)
             cell = size // z.shape[-1]
-            detail.append(torch.nn.functional.avg_pool2d(cover, cell)[:, 0].half())
-            part = torch.from_numpy(clip.detail_share[audio_context : audio_context + clip_frames])[:, None]
-            share.append((torch.nn.functional.avg_pool2d(part, cell) * cell * cell)[:, 0].half())  # sums kept
+            window = slice(audio_context, audio_context + clip_frames)
+            cover, part = cell_maps(clip.detail[window], clip.detail_share[window], cell)
+            detail.append(cover)
+            share.append(part)
             ref_maps.append(reference_maps(identity, size, cell))
         tmp = path.with_name(path.name + ".tmp")
         torch.save({"hr": torch.stack(hr), "ref": torch.stack(ref), "audio": torch.stack(audio),
@@ -179,15 +179,23 @@ def build_latent_cache(vae: CausalVAE, out_dir: Path, num_clips: int, clip_frame
     return paths
 
 
+def cell_maps(cover: np.ndarray, share: np.ndarray, cell: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-pixel feature maps ``(..., S, S)`` (:meth:`AvatarRenderer.coverage`) on the latent grid of
+    ``cell``-pixel cells, float16: the coverage averaged over a cell's pixels, the share summed (so each
+    feature still sums to 1 over the frame)."""
+    def pool(x: np.ndarray) -> torch.Tensor:
+        out = torch.nn.functional.avg_pool2d(torch.from_numpy(x).reshape(-1, 1, *x.shape[-2:]), cell)
+        return out.reshape(*x.shape[:-2], *out.shape[-2:])
+
+    return pool(cover).half(), (pool(share) * cell * cell).half()
+
+
 def reference_maps(identity: int, size: int, cell: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The coverage of :data:`DETAIL_REGIONS` and each cell's share of them (:meth:`AvatarRenderer.coverage`)
-    in the identity's reference frame, on the latent grid of ``cell``-pixel cells: ``(size/cell,)*2``
-    float16 each (the coverage averaged over a cell's pixels, the share summed)."""
+    """:func:`cell_maps` of the identity's reference frame (neutral pose, mouth shut, eyes open):
+    ``(size/cell,)*2`` each."""
     r = AvatarRenderer(identity, size=size)
-    cover, share = r.coverage(FrameTruth(0.0, r.reference_mouth_box(), r.reference_face_box()), DETAIL_REGIONS)
-    pool = torch.nn.functional.avg_pool2d
-    return (pool(torch.from_numpy(cover)[None, None], cell)[0, 0].half(),
-            (pool(torch.from_numpy(share)[None, None], cell) * cell * cell)[0, 0].half())
+    return cell_maps(*r.coverage(FrameTruth(0.0, r.reference_mouth_box(), r.reference_face_box()), DETAIL_REGIONS),
+                     cell)
 
 
 class LatentClips:

@@ -244,7 +244,6 @@ def test_a_narrow_face_is_scored_with_less_erosion() -> None:
         QualityMeter(ref, mouth_box=(28, 36, 36, 44), face_box=(28, 36, 36, 44), fps=25)
 
 
-
 def test_eval_options_reach_the_family(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """LONGTAKE_EVAL_OPTIONS: unset is the preset's settings; a malformed value names the variable and
     the form it wants; a JSON object goes into the request, where the family checks it as a job's."""

@@ -300,7 +300,6 @@ def test_sr_batch_reference_share_is_the_reference_frame(cache: Path) -> None:
     plain = sr_batch(clips, lr_all, step_generator(0, 1), 6, 0.1)
     none = sr_batch(clips, lr_all, step_generator(0, 1), 6, 0.1, reference_share=1e-9, ref_lr=ref_lr)
     assert torch.equal(plain[1], none[1])  # the same frames; the option's draw only moves the noise
-    assert not any(torch.equal(none[1][b], clips.ref[i]) for b in range(6) for i in range(3))
 
 
 def test_a2v_and_sr_train_resume_and_assemble(cache: Path) -> None:
