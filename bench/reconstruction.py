@@ -118,10 +118,11 @@ def _chains(mods: dict[str, torch.nn.Module], x: torch.Tensor, ref_z: torch.Tens
 @torch.inference_mode()
 def fidelity_bounds(num_identities: int = 20, seconds: float = 4.0, seed: int = 0,
                     checkpoint: Path | None = None, chains: tuple[str, ...] = CHAINS,
-                    vae_state: Path | None = None) -> dict[str, object]:
+                    vae_state: Path | None = None, first: int = 0) -> dict[str, object]:
     """``bench.fidelity`` over the chains' outputs of the ground-truth clips (the same identities,
-    audio and statistics as ``bench.quality --fidelity``): ``{"vae": result, "sr": result}`` (the
-    ``chains`` asked for), each with its per-identity rows and aggregate (model / ground truth ratios).
+    audio and statistics as ``bench.quality --fidelity``; ``first``: held-out identities first..,
+    as its ``--first-identity``): ``{"vae": result, "sr": result}`` (the ``chains`` asked for), each
+    with its per-identity rows and aggregate (model / ground truth ratios).
     ``vae_state``: score that VAE training state instead of a checkpoint's (:func:`load_modules`;
     ``chains`` must then be ``("vae",)``)."""
     if vae_state is not None and tuple(chains) != ("vae",):
@@ -146,7 +147,8 @@ def fidelity_bounds(num_identities: int = 20, seconds: float = 4.0, seed: int = 
 
         return clip
 
-    return {name: run_fidelity(num_identities, seconds, seed, None, clip_fn=chain_clip(name)) for name in chains}
+    return {name: run_fidelity(num_identities, seconds, seed, None, clip_fn=chain_clip(name), first=first)
+            for name in chains}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=None,
                    help="lip sync / PSNR report: seconds of held-out speech (default 20); --fidelity: clip length (default 4)")
     p.add_argument("--fidelity", action="store_true", help="identity fidelity of the chains (bench.fidelity)")
-    p.add_argument("--identities", type=int, default=20)
+    p.add_argument("--identities", type=int, default=20, help="--fidelity: held-out identities 0..N-1 (default 20)")
+    p.add_argument("--first-identity", type=int, default=0,
+                   help="--fidelity: score held-out identities K..K+N-1 instead (default 0), as bench.quality's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--markdown", action="store_true", help="--fidelity: the aggregates as Markdown tables")
@@ -175,6 +179,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--chains {a.chains!r}: give one or more of {', '.join(CHAINS)}, comma-separated")
     if a.vae_state is not None and (not a.fidelity or chains != ("vae",)):
         p.error("--vae-state scores an autoencoder alone: use it with --fidelity --chains vae")
+    from bench.fidelity import check_heldout_range, markdown_table
+
+    if a.fidelity:
+        try:
+            check_heldout_range(a.first_identity, a.identities)
+        except ValueError as exc:
+            p.error(f"--first-identity {a.first_identity} --identities {a.identities}: {exc}")
     try:
         require_heldout_voices()
     except RuntimeError as exc:
@@ -184,9 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({**reconstruction_report(a.seconds or 20.0, seed=a.seed, checkpoint=a.checkpoint),
                           "machine": machine()}))
         return 0
-    from bench.fidelity import markdown_table
-
-    result = fidelity_bounds(a.identities, a.seconds or 4.0, a.seed, a.checkpoint, chains, vae_state=a.vae_state)
+    result = fidelity_bounds(a.identities, a.seconds or 4.0, a.seed, a.checkpoint, chains, vae_state=a.vae_state,
+                             first=a.first_identity)
     if a.markdown:
         for name, r in result.items():
             print(f"### {name}\n\n{markdown_table(r)}\n")

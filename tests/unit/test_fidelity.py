@@ -275,6 +275,13 @@ def test_chain_upper_bounds_score_the_autoencoder_and_the_sr(tmp_path: Path) -> 
         only["vae"]["identities"][0]["model"], nan_ok=True)  # type: ignore[index]
     with pytest.raises(ValueError, match=r"only the vae chain.*--chains vae"):
         fidelity_bounds(num_identities=1, seconds=0.64, vae_state=tmp_path / "vae_state.pt")
+    # --first-identity, as bench.quality's: one face further on, checked before any model loads
+    second = fidelity_bounds(num_identities=1, seconds=0.64, chains=("vae",), first=1)
+    assert second["vae"]["identities"][0]["identity_seed"] == only["vae"]["identities"][0]["identity_seed"] + 1  # type: ignore[index]
+    from bench.reconstruction import main as reconstruction_main
+
+    with pytest.raises(SystemExit):
+        reconstruction_main(["--fidelity", "--identities", "1", "--first-identity", "-1"])
     with pytest.raises(ValueError, match="render_fn or clip_fn"):
         run_fidelity(1, 0.64, 0, None)
 
