@@ -19,12 +19,8 @@ frames only, each latent cell weighted by how far it is from the reference's (``
 mouth, the eyes and the head's motion are a few cells of the frame, and an unweighted loss is
 satisfied by a still face), and with ``mouth_weight`` > 0 by ``1 + mouth_weight * `` the cell's
 coverage by the frame's mouth box (``box_cover`` of the cache's ``mouth_box``: the lips move a few
-pixels, and appearance, which improves with every step, must not win over them); with
-``feature_weight`` > 0 each of the face's features visible in a frame (eyes, brows, nose, glasses,
-earrings, hat: the cache's ``detail_share`` summed onto the low-res cells) adds that many cells' worth
-of weight (``feature_weights``): the change weight leaves an accessory that sits still on the head near
-weight 1, the background's, and a few cells of glasses or earrings lost in a frame cost the loss almost
-nothing (issue 15). An EMA of the weights is what ships.
+pixels, and appearance, which improves with every step, must not win over them). An EMA of the
+weights is what ships.
 The text encoder stays at its seeded init (frozen); with probability ``text_prob`` a prompt is passed
 so the DiT learns that a prompt does not change the face.
 """
@@ -114,10 +110,6 @@ class A2VBatcher:
         h, w = self.lr.shape[-2:]
         self.mouth_cover = (None if clips.mouth_box is None
                             else box_cover(clips.mouth_box, h, w, preset.height / h))
-        # each frame's feature shares summed onto the low-res cells (N, T, h, w), for --feature-weight
-        self.share = (None if clips.detail_share is None
-                      else F.avg_pool2d(clips.detail_share.flatten(0, 1)[:, None], preset.lowres_factor)[:, 0]
-                      .unflatten(0, clips.detail_share.shape[:2]) * preset.lowres_factor ** 2)
         # the window kinds the pipeline runs for this preset, and how often a step draws each
         self.probs = ((("N", 0.5), ("I", 0.3), ("R", 0.2)) if self.ref_slot
                       else (("N", 0.5), ("I", 0.3), ("R", 0.15), ("N0", 0.05)))
@@ -164,14 +156,11 @@ class A2VBatcher:
                "ref": self.clips.ref[idx], "ref_lr": self.ref_lr[idx], "mouth": self.clips.mouth[idx]}
         if self.mouth_cover is not None:  # (B, T, h, w); the reference slot's frame is known: never weighted
             out["mouth_cover"] = torch.stack([self.mouth_cover[i, s : s + T] for i, s in windows])
-        if self.share is not None:  # (B, T, h, w); known frames are never weighted
-            out["share"] = torch.stack([self.share[i, s : s + T] for i, s in windows])
         return out
 
 
 def flow_loss(dit: A2VDiT, audio: AudioEncoder, b: dict[str, torch.Tensor], gen: torch.Generator, shift: float,
-              text: tuple[torch.Tensor, torch.Tensor] | None, mouth_weight: float = 0.0,
-              feature_weight: float = 0.0) -> torch.Tensor:
+              text: tuple[torch.Tensor, torch.Tensor] | None, mouth_weight: float = 0.0) -> torch.Tensor:
     # drawn on the CPU from the step's generator, then moved: the same samples on any device
     dev = dit.head.weight.device
     B = b["x0"].shape[0]
@@ -188,26 +177,11 @@ def flow_loss(dit: A2VDiT, audio: AudioEncoder, b: dict[str, torch.Tensor], gen:
     text_B = ((text[0].to(dev).expand(B, -1, -1), text[1].to(dev).expand(B, -1)) if text is not None
               else (None, None))
     v = dit(x_t, t, known, b["frame_index"], b["ref"], feats, text_B[0], text_B[1])
-    w = feature_weights(change_weights(x0, b["ref_lr"]), b.get("mouth_cover"), b.get("share"), mouth_weight,
-                        feature_weight) * (~known).float()[:, :, None, None]  # (B, T, h, w)
+    w = change_weights(x0, b["ref_lr"]) * (~known).float()[:, :, None, None]  # (B, T, h, w)
+    if mouth_weight > 0.0:
+        w = w * (1.0 + mouth_weight * b["mouth_cover"])
     err = (v - (noise - x0)).pow(2).mean(dim=1)  # (B, T, h, w)
     return (err * w).sum() / w.sum()
-
-
-def feature_weights(change: torch.Tensor, mouth_cover: torch.Tensor | None, share: torch.Tensor | None,
-                    mouth_weight: float, feature_weight: float) -> torch.Tensor:
-    """Per-cell loss weights ``(B, T, h, w)`` from the change weights: times ``1 + mouth_weight x`` the
-    cell's mouth-box coverage, plus ``feature_weight x`` its feature share (each feature visible in a
-    frame sums to 1 over its cells: it adds ``feature_weight`` cells' worth of weight whatever its size,
-    as the SR's ``sr_weights``)."""
-    w = change
-    if mouth_weight > 0.0:
-        assert mouth_cover is not None  # train_a2v checks the cache
-        w = w * (1.0 + mouth_weight * mouth_cover)
-    if feature_weight > 0.0:
-        assert share is not None  # train_a2v checks the cache
-        w = w + feature_weight * share
-    return w
 
 
 @torch.no_grad()
@@ -245,15 +219,15 @@ def train_a2v(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes
               batch_n: int = 6, batch_i: int = 16, lr: float = 1e-3, text_prob: float = 0.25,
               ema_max: float = 0.998, log_every: int = 20, save_every_s: float = 120.0,
               threads: int | None = None, anchor_noise: float | None = 0.05,
-             init_from: Path | None = None, mouth_weight: float = 0.0, feature_weight: float = 0.0,
+             init_from: Path | None = None, mouth_weight: float = 0.0,
              heldout_dir: Path | None = None, device: str = "cpu",
              reinit_reshaped: bool = False) -> dict[str, float]:
     """Train (or resume) for ``minutes`` of wall time in total; the state file holds model + EMA weights.
 
     ``init_from``: a fresh run starts from that checkpoint's A2V and audio encoder (its EMA weights)
     instead of the seeded init (:func:`~models.training.common.warm_start`; ``reinit_reshaped``: tensors
-    whose shape changed since keep the seeded init). ``mouth_weight`` and ``feature_weight``: see the
-    module's docstring; they need a cache with mouth boxes and feature shares. ``heldout_dir``: a latent cache of held-out
+    whose shape changed since keep the seeded init). ``mouth_weight``: see the
+    module's docstring; it needs a cache with mouth boxes. ``heldout_dir``: a latent cache of held-out
     identities (``train_all --stage heldout-cache``); the EMA weights' :func:`heldout_loss` is logged at
     the start, at every save and at the end, and kept in the state (``heldout_loss_start`` / ``heldout_loss``).
     ``device``: where the models train (``cuda`` on a GPU machine); windows and noise are drawn on the
@@ -286,11 +260,7 @@ def train_a2v(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes
         raise ValueError(f"mouth_weight={mouth_weight}: the latent cache in {cache_dir} has no mouth boxes (written "
                          "before they were kept): rebuild it with `models.training.train_all --stage cache`, "
                          "or pass --mouth-weight 0")
-    if feature_weight > 0.0 and clips.detail_share is None:
-        raise ValueError(f"feature_weight={feature_weight}: the latent cache in {cache_dir} has no feature shares "
-                         "(written before they were kept): rebuild it with `models.training.train_all --stage "
-                         "cache`, or pass --feature-weight 0")
-    st.extra["mouth_weight"], st.extra["feature_weight"] = mouth_weight, feature_weight
+    st.extra["mouth_weight"] = mouth_weight
     st.extra["batch_n"], st.extra["batch_i"] = batch_n, batch_i
     batcher = A2VBatcher(clips, preset, anchor_noise=anchor_noise)
     budget = Budget(minutes, st.elapsed_s)
@@ -315,7 +285,7 @@ def train_a2v(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes
             text = prompts[int(torch.randint(len(prompts), (1,), generator=gen))]
         for g in opt.param_groups:
             g["lr"] = cosine_lr(lr, budget.fraction)
-        loss = flow_loss(dit, audio, b, gen, preset.shift, text, mouth_weight, feature_weight)
+        loss = flow_loss(dit, audio, b, gen, preset.shift, text, mouth_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(opt.param_groups[0]["params"], 1.0)
@@ -373,9 +343,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="print the held-out flow loss of these checkpoints (needs --heldout-cache) and exit")
     p.add_argument("--mouth-weight", type=float, default=0.0,
                    help="extra loss weight on the cells of each frame's mouth box (1 + w * coverage)")
-    p.add_argument("--feature-weight", type=float, default=0.0,
-                   help="each of the face's features (eyes, brows, nose, accessories) visible in a frame adds this "
-                        "many cells' worth of loss weight, spread over its cells")
     a = p.parse_args(argv)
     if a.reinit_reshaped and a.from_checkpoint is None:
         p.error("--reinit-reshaped needs --from CHECKPOINT (it says which of that checkpoint's tensors to skip)")
@@ -390,8 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     out = train_a2v(get_preset(a.preset), a.cache_dir / "latents", a.cache_dir / "a2v_state.pt",
                     minutes=a.minutes, seed=a.seed, lr=a.lr, threads=a.threads,
                     anchor_noise=None if a.anchor_noise == "context" else float(a.anchor_noise),
-                    init_from=a.from_checkpoint, mouth_weight=a.mouth_weight,
-                    feature_weight=a.feature_weight, heldout_dir=a.heldout_cache,
+                    init_from=a.from_checkpoint, mouth_weight=a.mouth_weight, heldout_dir=a.heldout_cache,
                     device=a.device, batch_n=a.batch_n, batch_i=a.batch_i, reinit_reshaped=a.reinit_reshaped)
     log.info("a2v done: %s", out)
     return 0

@@ -198,8 +198,7 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
             mods["audio"].load_state_dict(blob["modules"]["ema_audio"])
             trained.update({"a2v_steps": str(st.step), "a2v_minutes": f"{st.elapsed_s / 60:.1f}",
                             "a2v_final_loss": f"{st.losses[-1]:.4f}" if st.losses else "nan",
-                            "a2v_mouth_weight": f"{st.extra.get('mouth_weight', 0.0):g}",
-                            "a2v_feature_weight": f"{st.extra.get('feature_weight', 0.0):g}"})
+                            "a2v_mouth_weight": f"{st.extra.get('mouth_weight', 0.0):g}"})
             trained.update({f"a2v_{k}": f"{st.extra[k]:g}" for k in ("batch_n", "batch_i") if k in st.extra})
             if "heldout_loss" in st.extra:
                 trained["a2v_heldout_loss"] = f"{st.extra['heldout_loss']:.4f}"
