@@ -61,6 +61,7 @@ over the identities that lack the accessory.
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -451,6 +452,15 @@ def check_heldout_range(first: int, num_identities: int) -> None:
     if first < 0 or num_identities < 1 or first + num_identities > hi - lo:
         raise ValueError(f"held-out identities {first}..{first + num_identities - 1}: there are {hi - lo} "
                          f"(0..{hi - lo - 1}), so the first must be in [0, {hi - lo - max(num_identities, 1)}]")
+
+
+def check_heldout_args(p: argparse.ArgumentParser, first: int, num_identities: int) -> None:
+    """A CLI's ``--first-identity`` / ``--identities``: :func:`check_heldout_range`, reported through
+    ``p.error`` with both flags named (before any model loads)."""
+    try:
+        check_heldout_range(first, num_identities)
+    except ValueError as exc:
+        p.error(f"--first-identity {first} --identities {num_identities}: {exc}")
 
 
 def run_fidelity(num_identities: int, seconds: float, seed: int, render_fn: RenderFnLike | None,

@@ -500,14 +500,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main_fidelity(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
-    from bench.fidelity import check_heldout_range, markdown_table, run_fidelity
+    from bench.fidelity import check_heldout_args, markdown_table, run_fidelity
 
     if args.identities < 1 or args.seconds <= 0:
         p.error(f"--identities {args.identities} --seconds {args.seconds}: need >= 1 identity and > 0 s")
-    try:
-        check_heldout_range(args.first_identity, args.identities)
-    except ValueError as exc:
-        p.error(f"--first-identity {args.first_identity} --identities {args.identities}: {exc}")
+    check_heldout_args(p, args.first_identity, args.identities)
     render_fn = _load_render_fn(args.render_fn)
     result = run_fidelity(args.identities, args.seconds, args.seed, render_fn,
                           Path(args.sheet) if args.sheet else None, log_fn=lambda m: print(m, file=sys.stderr),

@@ -179,13 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--chains {a.chains!r}: give one or more of {', '.join(CHAINS)}, comma-separated")
     if a.vae_state is not None and (not a.fidelity or chains != ("vae",)):
         p.error("--vae-state scores an autoencoder alone: use it with --fidelity --chains vae")
-    from bench.fidelity import check_heldout_range, markdown_table
+    from bench.fidelity import check_heldout_args, markdown_table
 
     if a.fidelity:
-        try:
-            check_heldout_range(a.first_identity, a.identities)
-        except ValueError as exc:
-            p.error(f"--first-identity {a.first_identity} --identities {a.identities}: {exc}")
+        check_heldout_args(p, a.first_identity, a.identities)
     try:
         require_heldout_voices()
     except RuntimeError as exc:

@@ -245,7 +245,7 @@ def test_contact_sheet_layout(tmp_path: Path) -> None:
 
 
 @needs_espeak
-def test_chain_upper_bounds_score_the_autoencoder_and_the_sr(tmp_path: Path) -> None:
+def test_chain_upper_bounds_score_the_autoencoder_and_the_sr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """bench.reconstruction --fidelity: the shipped checkpoint's encode -> decode and encode ->
     to_lowres -> SR -> decode of a ground-truth clip, scored like a model's clip; with a clip_fn
     that returns the ground truth itself every ratio is exactly 1."""
@@ -280,14 +280,16 @@ def test_chain_upper_bounds_score_the_autoencoder_and_the_sr(tmp_path: Path) -> 
     assert second["vae"]["identities"][0]["identity_seed"] == only["vae"]["identities"][0]["identity_seed"] + 1  # type: ignore[index]
     from bench.reconstruction import main as reconstruction_main
 
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_info:
         reconstruction_main(["--fidelity", "--identities", "1", "--first-identity", "-1"])
+    assert exit_info.value.code == 2
+    assert "--first-identity -1 --identities 1: held-out identities -1..-1" in capsys.readouterr().err
     with pytest.raises(ValueError, match="render_fn or clip_fn"):
         run_fidelity(1, 0.64, 0, None)
 
 
 @needs_espeak
-def test_run_fidelity_from_another_first_identity() -> None:
+def test_run_fidelity_from_another_first_identity(capsys: pytest.CaptureFixture[str]) -> None:
     """``first`` scores held-out identities first.. (bench.quality --first-identity): the identity
     seeds and voices of K = first.., the same figures as the same K scored from 0."""
     seen: list[float] = []  # the voices heard
@@ -303,3 +305,10 @@ def test_run_fidelity_from_another_first_identity() -> None:
     for first, n in ((-1, 1), (999, 2)):
         with pytest.raises(ValueError, match="held-out identities"):
             run_fidelity(n, 0.32, 0, None, clip_fn=clip, first=first)
+    # the CLI names both flags and exits before any model loads (check_heldout_args, bench.reconstruction's too)
+    from bench.quality import main as quality_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        quality_main(["--fidelity", "--identities", "2", "--first-identity", "999"])
+    assert exit_info.value.code == 2
+    assert "--first-identity 999 --identities 2: held-out identities 999..1000" in capsys.readouterr().err
