@@ -262,6 +262,7 @@ def train_a2v(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes
                          "or pass --mouth-weight 0")
     st.extra["mouth_weight"] = mouth_weight
     st.extra["batch_n"], st.extra["batch_i"] = batch_n, batch_i
+    st.extra["lr"] = lr
     batcher = A2VBatcher(clips, preset, anchor_noise=anchor_noise)
     budget = Budget(minutes, st.elapsed_s)
     losses = LossLog(state_path.with_suffix(".jsonl"), "a2v")

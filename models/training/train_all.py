@@ -199,7 +199,7 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
             trained.update({"a2v_steps": str(st.step), "a2v_minutes": f"{st.elapsed_s / 60:.1f}",
                             "a2v_final_loss": f"{st.losses[-1]:.4f}" if st.losses else "nan",
                             "a2v_mouth_weight": f"{st.extra.get('mouth_weight', 0.0):g}"})
-            trained.update({f"a2v_{k}": f"{st.extra[k]:g}" for k in ("batch_n", "batch_i") if k in st.extra})
+            trained.update({f"a2v_{k}": f"{st.extra[k]:g}" for k in ("batch_n", "batch_i", "lr") if k in st.extra})
             if "heldout_loss" in st.extra:
                 trained["a2v_heldout_loss"] = f"{st.extra['heldout_loss']:.4f}"
             if st.init_from:
@@ -211,10 +211,8 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
                             "sr_detail_weight": f"{st.extra.get('detail_weight', 0.0):g}",
                             "sr_feature_weight": f"{st.extra.get('feature_weight', 0.0):g}",
                             "sr_reference_share": f"{st.extra.get('reference_share', 0.0):g}",
-                            "sr_feature_blur": f"{st.extra.get('feature_blur', 0.0):g}",
-                            "sr_lr": f"{st.extra.get('lr', 1e-3):g}"})
-            if "batch" in st.extra:
-                trained["sr_batch"] = f"{st.extra['batch']:g}"
+                            "sr_feature_blur": f"{st.extra.get('feature_blur', 0.0):g}"})
+            trained.update({f"sr_{k}": f"{st.extra[k]:g}" for k in ("batch", "lr") if k in st.extra})
             if st.init_from:
                 trained["sr_init_from"] = st.init_from
     reused = cache_dir / "vae_reused.json"

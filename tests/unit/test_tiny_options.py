@@ -333,7 +333,7 @@ def test_tiny_next_renders_as_its_model_card_says(speech) -> None:  # type: igno
         meta = f.metadata()
     assert meta["preset"] == "tiny" and meta["sr_feature_weight"] == "512" and meta["sr_reference_share"] == "0.1"
     assert meta["sr_feature_blur"] == "0.8" and meta["vae_scale_equivariance"] == "0.25"
-    assert meta["latent_clips"] == "960"
+    assert meta["latent_clips"] == "960" and meta["a2v_lr"] == "0.0002"
     request = RenderRequest(image=DEMO_IMAGE, audio=speech(0.64), seed=2, checkpoint=path,
                             options={"audio_guidance": 2.0})
     frames, _ = _render(request, FamilyRuntime(TINY, get_preset("tiny"), path))

@@ -374,6 +374,7 @@ def test_a2v_and_sr_train_resume_and_assemble(cache: Path) -> None:
     assert meta["vae_chain_steps"] == str(c["steps"]) and meta["sr_detail_weight"] == "0" and meta["sr_lr"] == "0.001"
     assert meta["sr_feature_weight"] == "0" and meta["sr_reference_share"] == "0"
     assert meta["a2v_mouth_weight"] == "0"
+    assert meta["a2v_lr"] == "0.001"  # what the A2V state recorded (no default is written)
     assert meta["sr_batch"] == "8" and meta["a2v_batch_n"] == "2" and meta["a2v_batch_i"] == "4"
     chained = torch.load(cache / "vae_chain_state.pt", weights_only=False)["modules"]["vae"]
     fresh = build_modules(p, seed=5)
