@@ -261,10 +261,11 @@ def _tiny() -> ModelPreset:
         text=text,
         reference_frame=True,  # every N window holds the reference latent as a known frame (trained so)
         # lip-sync r 0.78 -> 0.94 on held-out voices at 3 (first checkpoint); 2.5 from the fourth to the
-        # seventh; 3.5 with start_noise 0.6 (below), which damps the mouth at 2.5 (MODEL_CARD.md)
-        audio_guidance=3.5,
+        # seventh; 3.5 with start_noise 0.6 (below) for the eighth; 2.0 for the ninth, whose A2V opens
+        # the mouths too wide at 3.5 (lips 15x ground truth's distance; MODEL_CARD.md)
+        audio_guidance=2.0,
         # no audio_guidance_peak: a peak of 7 lifts lip sync over 20 faces 0.898 -> 0.912 but moves every
-        # identity distance away from ground truth (nose 4.09 -> 4.37x), so it is a request option only
+        # identity distance away from ground truth (nose 4.09 -> 4.37x; the eighth), so it is a request option only
         # N chunks' sampling starts from the reference noised to 0.6: glasses, earrings,
         # eyes, brows, hair and SSIM nearer ground truth on 40 held-out faces (MODEL_CARD.md)
         start_noise=0.6,

@@ -212,7 +212,7 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
                             "sr_feature_weight": f"{st.extra.get('feature_weight', 0.0):g}",
                             "sr_reference_share": f"{st.extra.get('reference_share', 0.0):g}",
                             "sr_feature_blur": f"{st.extra.get('feature_blur', 0.0):g}"})
-            trained.update({f"sr_{k}": f"{st.extra[k]:g}" for k in ("batch", "lr") if k in st.extra})
+            trained.update({f"sr_{k}": f"{st.extra[k]:g}" for k in ("batch", "lr", "pixel_weight") if k in st.extra})
             if st.init_from:
                 trained["sr_init_from"] = st.init_from
     reused = cache_dir / "vae_reused.json"

@@ -9,7 +9,9 @@ adds W cells' worth of weight to each of the face's features in a frame, spread 
 earring counts as much as the glasses (:func:`sr_weights`). Frames are independent (SR is per frame),
 so a batch is a random set of frames of random clips. ``--feature-blur P`` washes the face's small
 features out of the low-res input of a share P of each batch (:func:`blur_features`), as the A2V's
-latents lose them, so the SR learns to take them from the reference (issue 15).
+latents lose them, so the SR learns to take them from the reference (issue 15). ``--pixel-weight W``
+adds W x an L1 in pixels through the cache's frozen decoder, on a window around a feature of each
+frame (:func:`pixel_loss`): a feature that is a small mark in the latent weighs what it weighs on screen.
 """
 
 from __future__ import annotations
@@ -38,8 +40,11 @@ from models.training.common import (
 )
 from models.training.data import LatentClips
 from models.training.train_a2v import EMA, box_cover, change_weights, lowres
+from models.vae import CausalVAE
 
 log = logging.getLogger(__name__)
+
+PIXEL_CROP_CELLS = 8  # hr latent cells per side of the window --pixel-weight decodes (64 px in tiny)
 
 
 def blur_features(lr_BChw: torch.Tensor, detail_BHW: torch.Tensor, mouth_box_B4: torch.Tensor, strength_B: torch.Tensor,
@@ -107,6 +112,38 @@ def sr_weights(y_BC1HW: torch.Tensor, ref_BCHW: torch.Tensor, detail: torch.Tens
     return w
 
 
+def feature_crops(share_B1HW: torch.Tensor, gen: torch.Generator, size: int) -> torch.Tensor:
+    """Top-left cells ``(B, 2)`` of a ``size`` x ``size`` window per frame, centred on a cell drawn in
+    proportion to the frame's feature shares (uniformly in a frame that shows none), kept inside it."""
+    B, _, H, W = share_B1HW.shape
+    p = share_B1HW.reshape(B, H * W).float() + 1e-6
+    cell = torch.multinomial(p, 1, generator=gen)[:, 0]
+    yx = torch.stack([cell // W, cell % W], dim=1) - size // 2
+    return torch.minimum(yx.clamp(min=0), torch.tensor([H - size, W - size]))
+
+
+def crop_cells(z_BC1HW: torch.Tensor, origin_B2: torch.Tensor, size: int) -> torch.Tensor:
+    """The ``size`` x ``size`` window of each frame's latent at ``origin_B2`` -> ``(B, C, 1, size, size)``."""
+    return torch.stack([z[..., y:y + size, x:x + size] for z, (y, x) in zip(z_BC1HW, origin_B2.tolist(), strict=True)])
+
+
+def pixel_loss(vae: CausalVAE, pred_BC1HW: torch.Tensor, target_BC1HW: torch.Tensor, share_B1HW: torch.Tensor,
+               gen: torch.Generator, size: int = PIXEL_CROP_CELLS) -> torch.Tensor:
+    """L1 in pixels between the decoded SR output and the decoded target on a window around one of each
+    frame's features (:func:`feature_crops`), each pixel weighted ``1 + 64 x`` its cell's feature share:
+    a small feature that the latent L1 sees as a small mark (the silver earrings of held-out 34 differ
+    from no earrings by ~0.5 at their cells, docs/quality.md "Why the gold earrings go") weighs what it
+    weighs on screen. The decoder is frozen; the window's border is decoded without its neighbours on
+    both sides alike."""
+    origin = feature_crops(share_B1HW.cpu(), gen, size).to(pred_BC1HW.device)
+    f = vae.cfg.factor
+    with torch.no_grad():
+        want = vae.decode(crop_cells(target_BC1HW, origin, size), clamp=False)[0][:, :, 0]
+    got = vae.decode(crop_cells(pred_BC1HW, origin, size), clamp=False)[0][:, :, 0]
+    w = 1.0 + 64.0 * F.interpolate(crop_cells(share_B1HW[:, :, None], origin, size)[:, :, 0], scale_factor=f)
+    return ((got - want).abs().mean(dim=1, keepdim=True) * w).sum() / w.sum()
+
+
 @torch.no_grad()
 def sr_eval(sr: SRDiT, clips: LatentClips, lr_all: torch.Tensor, count: int = 64) -> float:
     """L1 of the SR output vs the hr latent on a fixed set of frames (clean low-res input)."""
@@ -120,7 +157,8 @@ def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes:
              save_every_s: float = 120.0, threads: int | None = None, detail_weight: float = 0.0,
              feature_weight: float = 0.0, feature_blur: float = 0.0, reference_share: float = 0.0,
              init_from: Path | None = None, device: str = "cpu",
-             reinit_reshaped: bool = False) -> dict[str, float]:
+             reinit_reshaped: bool = False, pixel_weight: float = 0.0,
+             pixel_vae: CausalVAE | None = None) -> dict[str, float]:
     """Train (or resume) until ``minutes`` of wall time in total; returns final figures.
 
     ``init_from``: a fresh run starts from that checkpoint's SR (its EMA weights) instead of bilinear
@@ -159,6 +197,11 @@ def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes:
         raise ValueError(f"reference_share={reference_share}: the latent cache in {cache_dir} has no reference "
                          "feature maps (written before they were kept); delete it and build it again "
                          "(train_all --stage cache)")
+    if pixel_weight > 0.0 and (pixel_vae is None or clips.detail_share is None):
+        raise ValueError(f"pixel_weight={pixel_weight}: needs the cache's VAE (pixel_vae) and feature shares "
+                         f"in the latent cache in {cache_dir} (train_all --stage cache writes them)")
+    if pixel_vae is not None:
+        pixel_vae.to(device).eval().requires_grad_(False)
     if feature_blur > 0.0 and (clips.detail is None or clips.mouth_box is None):
         raise ValueError(f"feature_blur={feature_blur}: the latent cache in {cache_dir} has no detail maps or mouth "
                          "boxes (written before they were kept); delete it and build it again (train_all --stage cache)")
@@ -183,7 +226,11 @@ def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes:
             g["lr"] = cosine_lr(lr, budget.fraction)
         x, y, ref = b["x"], b["y"], b["ref"]
         w = sr_weights(y, ref, b["detail"], b["share"], detail_weight, feature_weight)  # (B, 1, H, W)
-        loss = ((sr(x, ref) - y).abs().mean(dim=1) * w).sum() / w.sum()
+        pred = sr(x, ref)
+        loss = ((pred - y).abs().mean(dim=1) * w).sum() / w.sum()
+        if pixel_weight > 0.0:
+            assert pixel_vae is not None and b["share"] is not None
+            loss = loss + pixel_weight * pixel_loss(pixel_vae, pred, y, b["share"], gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(sr.parameters(), 1.0)
@@ -202,6 +249,7 @@ def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes:
     st.extra["feature_weight"] = feature_weight
     st.extra["reference_share"] = reference_share
     st.extra["feature_blur"] = feature_blur
+    st.extra["pixel_weight"] = pixel_weight
     st.extra["lr"] = lr
     st.extra["batch"] = batch
     st.extra["eval_l1"] = sr_eval(ema.shadow["sr"], clips, lr_all)
@@ -232,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
                         "the reference): teaches the copy from the reference cell by cell (issue 15)")
     p.add_argument("--feature-blur", type=float, default=0.0,
                    help="share of each batch whose low-res input has the face's features washed out (issue 15)")
+    p.add_argument("--pixel-weight", type=float, default=0.0,
+                   help="weight of an L1 in pixels, through the cache's frozen decoder, on a window around a "
+                        "feature of each frame (issue 15: small features are small marks in the latent)")
     p.add_argument("--from", dest="from_checkpoint", type=Path, default=None,
                    help="start from this checkpoint's SR (a fresh state file only)")
     p.add_argument("--reinit-reshaped", action="store_true",
@@ -241,11 +292,17 @@ def main(argv: list[str] | None = None) -> int:
     if a.reinit_reshaped and a.from_checkpoint is None:
         p.error("--reinit-reshaped needs --from CHECKPOINT (it says which of that checkpoint's tensors to skip)")
     setup_logging(a.cache_dir / "train.log")
-    out = train_sr(get_preset(a.preset), a.cache_dir / "latents", a.cache_dir / "sr_state.pt", minutes=a.minutes,
+    preset = get_preset(a.preset)
+    pixel_vae = None
+    if a.pixel_weight > 0.0:
+        from models.training.train_all import final_vae  # train_all imports this module
+
+        pixel_vae = final_vae(preset, a.cache_dir)
+    out = train_sr(preset, a.cache_dir / "latents", a.cache_dir / "sr_state.pt", minutes=a.minutes,
                    seed=a.seed, lr=a.lr, threads=a.threads, detail_weight=a.detail_weight,
                    feature_weight=a.feature_weight, reference_share=a.reference_share,
                    feature_blur=a.feature_blur, init_from=a.from_checkpoint, device=a.device, batch=a.batch,
-                   reinit_reshaped=a.reinit_reshaped)
+                   reinit_reshaped=a.reinit_reshaped, pixel_weight=a.pixel_weight, pixel_vae=pixel_vae)
     log.info("sr done: %s", out)
     return 0
 

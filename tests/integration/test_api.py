@@ -291,7 +291,7 @@ def test_family_options_are_checked_at_submit_and_stored_on_the_row(api: Api, tm
     # bounds are the preset's: wan's infinitetalk takes guidance up to 20, tiny's up to 10
     resp = httpx.post(f"{api.url}/v1/jobs", json=_spec(options={"audio_guidance": 12}), headers=headers)
     assert resp.status_code == 422 and resp.json()["errors"][0]["field"] == "options.audio_guidance"
-    assert "float in [1, 10] (preset 'tiny' default 3.5)" in resp.json()["message"]
+    assert "float in [1, 10] (preset 'tiny' default 2.0)" in resp.json()["message"]
     resp = httpx.post(f"{api.url}/v1/jobs", json=_spec(options={"cfg": 2}), headers=headers)
     assert resp.status_code == 422 and resp.json()["errors"] == [
         {"field": "options.cfg", "message": "options.cfg: the tiny family takes ['audio_guidance', 'audio_guidance_peak', 'interp_start_noise', 'start_noise', 'steps']"}]

@@ -304,7 +304,7 @@ def test_audio_guidance_is_wired_and_off_means_one_forward(speech) -> None:  # t
     from pipeline.families.tiny import ports as P
 
     tiny = get_preset("tiny")
-    assert tiny.audio_guidance == 3.5
+    assert tiny.audio_guidance == 2.0
     request = RenderRequest(image=DEMO_IMAGE, audio=speech(0.64), seed=2)
     frames = {}
     for g in (1.0, 3.0):

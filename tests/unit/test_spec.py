@@ -154,9 +154,9 @@ def _field_errors(data: dict[str, object]) -> list[dict[str, str]]:
         ({"steps": 2.5}, "options.steps", "options.steps=2.5: must be int in [1, 50] (preset 'tiny' default 5)"),
         ({"steps": "5"}, "options.steps", "options.steps='5': must be int in [1, 50] (preset 'tiny' default 5)"),
         ({"audio_guidance": True}, "options.audio_guidance",
-         "options.audio_guidance=True: must be float in [1, 10] (preset 'tiny' default 3.5)"),
+         "options.audio_guidance=True: must be float in [1, 10] (preset 'tiny' default 2.0)"),
         ({"audio_guidance": None}, "options.audio_guidance",
-         "options.audio_guidance=None: must be float in [1, 10] (preset 'tiny' default 3.5)"),
+         "options.audio_guidance=None: must be float in [1, 10] (preset 'tiny' default 2.0)"),
         ({"steps": 3, "text_guidance": 5.0}, "options.text_guidance",
          "options.text_guidance: the tiny family takes ['audio_guidance', 'audio_guidance_peak', 'interp_start_noise', 'start_noise', 'steps']"),
         ([1, 2], "options", "options: must be an object of option names to values (got list); send e.g. "

@@ -27,7 +27,7 @@ TINY = FAMILIES.get("tiny")
 # guidance has no peak (the same on every cell); PEAK is the peak measured beside it
 START = 0.6
 INTERP_START = 0.1
-GUIDANCE = 3.5
+GUIDANCE = 2.0
 PEAK = 7.0
 
 
@@ -319,24 +319,25 @@ def test_audio_guidance_peak_reaches_the_a2v(speech) -> None:  # type: ignore[no
     assert np.array_equal(flat, default)
 
 
-def test_tiny_next_renders_as_its_model_card_says(speech) -> None:  # type: ignore[no-untyped-def]
-    """models/checkpoints/tiny-next.safetensors, the retrain in progress, committed beside the default:
-    it loads strictly through the family (the tiny preset's modules, every tensor present) and renders
-    with the guidance its card gives (2.0); its metadata records the SR recipe the card and
-    docs/training.md give."""
+def test_the_shipped_checkpoint_is_the_one_its_model_card_describes(speech) -> None:  # type: ignore[no-untyped-def]
+    """models/checkpoints/tiny.safetensors, the ninth checkpoint (the retrain once committed as
+    tiny-next.safetensors, its SR trained on with the pixel loss): its metadata records the recipe
+    models/checkpoints/MODEL_CARD.md and docs/training.md give, and it is what a request without a
+    checkpoint renders with, at the preset's guidance, the one it was scored at (2.0)."""
     from pathlib import Path
 
     from safetensors import safe_open
 
-    path = Path(__file__).resolve().parents[2] / "models" / "checkpoints" / "tiny-next.safetensors"
+    path = Path(__file__).resolve().parents[2] / "models" / "checkpoints" / "tiny.safetensors"
     with safe_open(str(path), "pt") as f:
         meta = f.metadata()
     assert meta["preset"] == "tiny" and meta["sr_feature_weight"] == "512" and meta["sr_reference_share"] == "0.1"
     assert meta["sr_feature_blur"] == "0.8" and meta["vae_scale_equivariance"] == "0.25"
-    assert meta["latent_clips"] == "960" and meta["a2v_lr"] == "0.0002"
-    request = RenderRequest(image=DEMO_IMAGE, audio=speech(0.64), seed=2, checkpoint=path,
-                            options={"audio_guidance": 2.0})
-    frames, _ = _render(request, FamilyRuntime(TINY, get_preset("tiny"), path))
-    shipped, _ = _render(dataclasses.replace(request, checkpoint=None), _runtime())  # the same options
-    assert frames.shape == shipped.shape == (16, 256, 256, 3) and frames.dtype == np.uint8
-    assert not np.array_equal(frames, shipped)  # only the weights differ
+    assert meta["latent_clips"] == "960" and meta["a2v_lr"] == "0.0002" and meta["sr_pixel_weight"] == "2"
+    assert meta["sr_steps"] == "4215" and meta["base_checkpoint"] == "tiny-next.safetensors (git 3c60742)"
+    assert get_preset("tiny").audio_guidance == 2.0
+    request = RenderRequest(image=DEMO_IMAGE, audio=speech(0.64), seed=2)
+    frames, _ = _render(dataclasses.replace(request, checkpoint=path), FamilyRuntime(TINY, get_preset("tiny"), path))
+    default, _ = _render(request, _runtime())
+    assert frames.shape == (16, 256, 256, 3) and frames.dtype == np.uint8
+    assert np.array_equal(frames, default)  # no checkpoint given: this file

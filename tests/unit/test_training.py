@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from models.training.common import load_state, step_generator
 from models.training.data import DETAIL_REGIONS, FrameSampler, LatentClips, build_latent_cache
 from models.training.train_a2v import A2VBatcher, lowres, train_a2v
 from models.training.train_all import assemble_checkpoint, chain_decoder, final_vae, save_final_vae
-from models.training.train_sr import blur_features, sr_batch, sr_weights, train_sr
+from models.training.train_sr import blur_features, feature_crops, pixel_loss, sr_batch, sr_weights, train_sr
 from models.training.train_vae import (
     SCALE_FACTORS,
     finalize_vae,
@@ -283,6 +284,44 @@ def test_feature_weight_counts_a_small_feature_as_much_as_a_large_one() -> None:
     assert float(extra_f[0, 0, 1].abs().sum()) == 0.0  # no feature, no weight
 
 
+def test_pixel_loss_decodes_a_window_on_a_feature() -> None:
+    """feature_crops centres the window on the frame's feature, kept inside the latent (uniform where a
+    frame shows none); pixel_loss is zero for the target itself, counts an error on the feature more
+    than the same error off it, and trains the SR's output only (the decoder stays frozen)."""
+    p = small_preset()
+    vae = CausalVAE(p.vae).eval().requires_grad_(False)
+    H = W = 16
+    share = torch.zeros(3, 1, H, W)
+    share[0, 0, 7, 9] = 1.0  # a feature inside: centred
+    share[1, 0, 15, 0] = 1.0  # in a corner: the window stays inside
+    origin = feature_crops(share, torch.Generator().manual_seed(0), 8)
+    assert origin[0].tolist() == [3, 5] and origin[1].tolist() == [8, 0]
+    assert ((origin[2] >= 0) & (origin[2] <= 8)).all()  # no feature: anywhere inside
+    y = torch.randn(3, p.latent_channels, 1, H, W)
+    assert float(pixel_loss(vae, y, y, share, torch.Generator().manual_seed(0))) == 0.0
+    on, off = y.clone(), y.clone()
+    on[0, :, 0, 7, 9] += 1.0  # the error on the feature's cell
+    off[0, :, 0, 4, 6] += 1.0  # the same error in the window, off the feature
+    loss_on = pixel_loss(vae, on[:1], y[:1], share[:1], torch.Generator().manual_seed(0))
+    loss_off = pixel_loss(vae, off[:1], y[:1], share[:1], torch.Generator().manual_seed(0))
+    assert float(loss_on) > 2 * float(loss_off) > 0.0
+    pred = y.clone().requires_grad_(True)
+    pixel_loss(vae, pred + 0.1, y, share, torch.Generator().manual_seed(0)).backward()
+    assert pred.grad is not None and float(pred.grad.abs().sum()) > 0.0
+    assert all(t.grad is None for t in vae.parameters())
+
+
+def test_sr_pixel_weight_trains_through_the_caches_vae(cache: Path, tmp_path: Path) -> None:
+    """--pixel-weight needs the cache's VAE (refused, naming it, without one); with it the SR trains and
+    the weight is recorded for the assembled checkpoint (sr_pixel_weight)."""
+    p = small_preset()
+    with pytest.raises(ValueError, match="pixel_weight=1.0: needs the cache's VAE"):
+        train_sr(p, cache / "latents", tmp_path / "sr_state.pt", minutes=0.01, pixel_weight=1.0)
+    out = train_sr(p, cache / "latents", tmp_path / "sr_state.pt", minutes=0.02, batch=4, detail_weight=1.0,
+                   feature_weight=8.0, pixel_weight=1.0, pixel_vae=final_vae(p, cache))
+    assert out["steps"] >= 1 and out["pixel_weight"] == 1.0 and math.isfinite(out["eval_l1"])
+
+
 def test_sr_batch_reference_share_is_the_reference_frame(cache: Path) -> None:
     """reference_share 1: every row is its clip's reference (target, low-res input, maps); 0: none is,
     and the batch is the one drawn without the option (same generator, same frames)."""
@@ -372,7 +411,7 @@ def test_a2v_and_sr_train_resume_and_assemble(cache: Path) -> None:
     assert c["steps"] >= 1 and 0 < c["heldout_psnr_db"] < 60
     meta = assemble_checkpoint(p, cache, out, seed=0)
     assert meta["vae_chain_steps"] == str(c["steps"]) and meta["sr_detail_weight"] == "0" and meta["sr_lr"] == "0.001"
-    assert meta["sr_feature_weight"] == "0" and meta["sr_reference_share"] == "0"
+    assert meta["sr_feature_weight"] == "0" and meta["sr_reference_share"] == "0" and meta["sr_pixel_weight"] == "0"
     assert meta["a2v_mouth_weight"] == "0"
     assert meta["a2v_lr"] == "0.001"  # what the A2V state recorded (no default is written)
     assert meta["sr_batch"] == "8" and meta["a2v_batch_n"] == "2" and meta["a2v_batch_i"] == "4"
@@ -671,7 +710,6 @@ def test_heldout_loss_is_logged_recorded_and_is_the_shipped_weights(cache: Path,
     """train_a2v --heldout-cache scores the EMA on fixed held-out windows at the start and the end; the
     figure is a pure function of the weights (scoring a checkpoint of the final EMA gives it back exactly),
     and train_all --stage heldout-cache writes held-out identities only."""
-    import math
 
     from models.checkpoint import save_checkpoint
     from models.training.train_a2v import main as a2v_main
