@@ -45,6 +45,7 @@ from models.vae import CausalVAE
 log = logging.getLogger(__name__)
 
 PIXEL_CROP_CELLS = 8  # hr latent cells per side of the window --pixel-weight decodes (64 px in tiny)
+PIXEL_FEATURE_WEIGHT = 64.0  # a pixel of a cell wholly a feature's counts 1 + this in that window's L1
 
 
 def blur_features(lr_BChw: torch.Tensor, detail_BHW: torch.Tensor, mouth_box_B4: torch.Tensor, strength_B: torch.Tensor,
@@ -130,17 +131,20 @@ def crop_cells(z_BC1HW: torch.Tensor, origin_B2: torch.Tensor, size: int) -> tor
 def pixel_loss(vae: CausalVAE, pred_BC1HW: torch.Tensor, target_BC1HW: torch.Tensor, share_B1HW: torch.Tensor,
                gen: torch.Generator, size: int = PIXEL_CROP_CELLS) -> torch.Tensor:
     """L1 in pixels between the decoded SR output and the decoded target on a window around one of each
-    frame's features (:func:`feature_crops`), each pixel weighted ``1 + 64 x`` its cell's feature share:
-    a small feature that the latent L1 sees as a small mark (the silver earrings of held-out 34 differ
-    from no earrings by ~0.5 at their cells, docs/quality.md "Why the gold earrings go") weighs what it
-    weighs on screen. The decoder is frozen; the window's border is decoded without its neighbours on
-    both sides alike."""
+    frame's features (:func:`feature_crops`; the whole frame if it is smaller), each pixel weighted ``1 +
+    PIXEL_FEATURE_WEIGHT x`` its cell's feature share: a small feature that the latent L1 sees as a small
+    mark (the silver earrings of held-out 34 differ from no earrings by ~0.5 at their cells,
+    docs/quality.md "Why the gold earrings go") weighs what it weighs on screen. ``vae``: the cache's,
+    frozen by the caller. The window is decoded on its own, on both sides alike: its border without
+    its neighbours, and the decoder's group norms over the window, not the frame (docs/quality.md "The
+    ninth checkpoint" measures how far that is from decoding the frame)."""
+    size = min(size, *share_B1HW.shape[-2:])
     origin = feature_crops(share_B1HW.cpu(), gen, size).to(pred_BC1HW.device)
     f = vae.cfg.factor
     with torch.no_grad():
         want = vae.decode(crop_cells(target_BC1HW, origin, size), clamp=False)[0][:, :, 0]
     got = vae.decode(crop_cells(pred_BC1HW, origin, size), clamp=False)[0][:, :, 0]
-    w = 1.0 + 64.0 * F.interpolate(crop_cells(share_B1HW[:, :, None], origin, size)[:, :, 0], scale_factor=f)
+    w = 1.0 + PIXEL_FEATURE_WEIGHT * F.interpolate(crop_cells(share_B1HW[:, :, None], origin, size)[:, :, 0], scale_factor=f)
     return ((got - want).abs().mean(dim=1, keepdim=True) * w).sum() / w.sum()
 
 
@@ -157,8 +161,7 @@ def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes:
              save_every_s: float = 120.0, threads: int | None = None, detail_weight: float = 0.0,
              feature_weight: float = 0.0, feature_blur: float = 0.0, reference_share: float = 0.0,
              init_from: Path | None = None, device: str = "cpu",
-             reinit_reshaped: bool = False, pixel_weight: float = 0.0,
-             pixel_vae: CausalVAE | None = None) -> dict[str, float]:
+             reinit_reshaped: bool = False, pixel_weight: float = 0.0) -> dict[str, float]:
     """Train (or resume) until ``minutes`` of wall time in total; returns final figures.
 
     ``init_from``: a fresh run starts from that checkpoint's SR (its EMA weights) instead of bilinear
@@ -171,7 +174,8 @@ def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes:
     ``reference_share`` > 0: that share of each batch is the reference frame itself (:func:`sr_batch`).
     ``feature_blur`` > 0: that share
     of each batch has its features washed out of the low-res input (:func:`blur_features`), so the SR
-    learns to restore them from the reference.
+    learns to restore them from the reference. ``pixel_weight`` > 0 adds that times :func:`pixel_loss`,
+    through the VAE the cache's latents were encoded with (``vae_final.pt`` beside ``cache_dir``, frozen).
 
     ``device``: where the model trains (``cuda`` on a GPU machine); batches are drawn on the CPU from
     the step's generator either way (:func:`~models.training.common.on_device`)."""
@@ -197,11 +201,16 @@ def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes:
         raise ValueError(f"reference_share={reference_share}: the latent cache in {cache_dir} has no reference "
                          "feature maps (written before they were kept); delete it and build it again "
                          "(train_all --stage cache)")
-    if pixel_weight > 0.0 and (pixel_vae is None or clips.detail_share is None):
-        raise ValueError(f"pixel_weight={pixel_weight}: needs the cache's VAE (pixel_vae) and feature shares "
-                         f"in the latent cache in {cache_dir} (train_all --stage cache writes them)")
-    if pixel_vae is not None:
-        pixel_vae.to(device).eval().requires_grad_(False)
+    pixel_vae = None
+    if pixel_weight > 0.0:
+        if clips.detail_share is None or not (cache_dir.parent / "vae_final.pt").is_file():
+            raise ValueError(f"pixel_weight={pixel_weight}: needs the VAE the latents in {cache_dir} were encoded "
+                             f"with ({cache_dir.parent / 'vae_final.pt'}) and their feature shares: build the cache "
+                             "with train_all (--stage reuse-vae or the VAE stage, then --stage cache), or pass "
+                             "--pixel-weight 0")
+        from models.training.train_all import final_vae  # train_all imports this module
+
+        pixel_vae = final_vae(preset, cache_dir.parent).to(device)
     if feature_blur > 0.0 and (clips.detail is None or clips.mouth_box is None):
         raise ValueError(f"feature_blur={feature_blur}: the latent cache in {cache_dir} has no detail maps or mouth "
                          "boxes (written before they were kept); delete it and build it again (train_all --stage cache)")
@@ -292,17 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.reinit_reshaped and a.from_checkpoint is None:
         p.error("--reinit-reshaped needs --from CHECKPOINT (it says which of that checkpoint's tensors to skip)")
     setup_logging(a.cache_dir / "train.log")
-    preset = get_preset(a.preset)
-    pixel_vae = None
-    if a.pixel_weight > 0.0:
-        from models.training.train_all import final_vae  # train_all imports this module
-
-        pixel_vae = final_vae(preset, a.cache_dir)
-    out = train_sr(preset, a.cache_dir / "latents", a.cache_dir / "sr_state.pt", minutes=a.minutes,
+    out = train_sr(get_preset(a.preset), a.cache_dir / "latents", a.cache_dir / "sr_state.pt", minutes=a.minutes,
                    seed=a.seed, lr=a.lr, threads=a.threads, detail_weight=a.detail_weight,
                    feature_weight=a.feature_weight, reference_share=a.reference_share,
                    feature_blur=a.feature_blur, init_from=a.from_checkpoint, device=a.device, batch=a.batch,
-                   reinit_reshaped=a.reinit_reshaped, pixel_weight=a.pixel_weight, pixel_vae=pixel_vae)
+                   reinit_reshaped=a.reinit_reshaped, pixel_weight=a.pixel_weight)
     log.info("sr done: %s", out)
     return 0
 

@@ -287,7 +287,8 @@ def test_feature_weight_counts_a_small_feature_as_much_as_a_large_one() -> None:
 def test_pixel_loss_decodes_a_window_on_a_feature() -> None:
     """feature_crops centres the window on the frame's feature, kept inside the latent (uniform where a
     frame shows none); pixel_loss is zero for the target itself, counts an error on the feature more
-    than the same error off it, and trains the SR's output only (the decoder stays frozen)."""
+    than the same error off it, sends gradients to the SR's output, and decodes the whole latent when
+    it is smaller than the window."""
     p = small_preset()
     vae = CausalVAE(p.vae).eval().requires_grad_(False)
     H = W = 16
@@ -308,17 +309,22 @@ def test_pixel_loss_decodes_a_window_on_a_feature() -> None:
     pred = y.clone().requires_grad_(True)
     pixel_loss(vae, pred + 0.1, y, share, torch.Generator().manual_seed(0)).backward()
     assert pred.grad is not None and float(pred.grad.abs().sum()) > 0.0
-    assert all(t.grad is None for t in vae.parameters())
+    small = y[..., :4, :4]  # a 4x4 latent, the window 8: the whole of it
+    assert float(pixel_loss(vae, small + 0.1, small, share[..., :4, :4], torch.Generator().manual_seed(0))) > 0.0
 
 
 def test_sr_pixel_weight_trains_through_the_caches_vae(cache: Path, tmp_path: Path) -> None:
-    """--pixel-weight needs the cache's VAE (refused, naming it, without one); with it the SR trains and
-    the weight is recorded for the assembled checkpoint (sr_pixel_weight)."""
+    """--pixel-weight decodes through the VAE beside the latent cache (refused, naming the field and the
+    fix, for latents without one); with it the SR trains and the weight is recorded for the assembled
+    checkpoint (sr_pixel_weight)."""
     p = small_preset()
-    with pytest.raises(ValueError, match="pixel_weight=1.0: needs the cache's VAE"):
-        train_sr(p, cache / "latents", tmp_path / "sr_state.pt", minutes=0.01, pixel_weight=1.0)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "latents").symlink_to(cache / "latents", target_is_directory=True)
+    with pytest.raises(ValueError, match=r"pixel_weight=1.0: needs the VAE the latents .* --pixel-weight 0"):
+        train_sr(p, bare / "latents", tmp_path / "sr_state.pt", minutes=0.01, pixel_weight=1.0)
     out = train_sr(p, cache / "latents", tmp_path / "sr_state.pt", minutes=0.02, batch=4, detail_weight=1.0,
-                   feature_weight=8.0, pixel_weight=1.0, pixel_vae=final_vae(p, cache))
+                   feature_weight=8.0, pixel_weight=1.0)
     assert out["steps"] >= 1 and out["pixel_weight"] == 1.0 and math.isfinite(out["eval_l1"])
 
 
@@ -710,7 +716,6 @@ def test_heldout_loss_is_logged_recorded_and_is_the_shipped_weights(cache: Path,
     """train_a2v --heldout-cache scores the EMA on fixed held-out windows at the start and the end; the
     figure is a pure function of the weights (scoring a checkpoint of the final EMA gives it back exactly),
     and train_all --stage heldout-cache writes held-out identities only."""
-
     from models.checkpoint import save_checkpoint
     from models.training.train_a2v import main as a2v_main
     from models.training.train_a2v import score_checkpoints
