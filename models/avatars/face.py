@@ -482,6 +482,24 @@ class FaceRenderer:
         return {name: out[name] for name in names}
 
 
+def _enclosed_darkness(dark_HW: np.ndarray) -> np.ndarray:
+    """``dark_HW`` with every dark (> 0) region that touches the array's edge set to 0: a flood fill
+    from the edge through 4-connected dark pixels (a crop of tens of pixels: a few dozen steps)."""
+    on = dark_HW > 0
+    reach = np.zeros_like(on)
+    reach[0], reach[-1], reach[:, 0], reach[:, -1] = on[0], on[-1], on[:, 0], on[:, -1]
+    while True:
+        grown = reach.copy()
+        grown[1:] |= reach[:-1]
+        grown[:-1] |= reach[1:]
+        grown[:, 1:] |= reach[:, :-1]
+        grown[:, :-1] |= reach[:, 1:]
+        grown &= on
+        if np.array_equal(grown, reach):
+            return np.where(reach, 0.0, dark_HW).astype(dark_HW.dtype)
+        reach = grown
+
+
 def measure_mouth_opening(frames_THW3: np.ndarray, mouth_box: np.ndarray | Box) -> np.ndarray:
     """Mouth opening per frame measured from PIXELS (never from ground truth), in units of the
     renderer's full opening (about 0 closed .. 1 wide open), float32 of length T.
@@ -492,9 +510,14 @@ def measure_mouth_opening(frames_THW3: np.ndarray, mouth_box: np.ndarray | Box) 
 
     How: inside the box, a pixel's darkness ramps from 0 at half the box's median luminance to 1 at
     0.3x the median (the mouth interior is drawn at ~0.16x the skin), so a global colour or brightness
-    shift of the frame does not change the answer; the opening is the mean of the three largest
-    per-column sums of darkness (the vertical extent of the dark interior, which the renderer makes
-    proportional to the opening: teeth cover a fixed 30 % of it, and mouth width does not matter).
+    shift of the frame does not change the answer. Dark pixels connected to the box's edge are not
+    counted (:func:`_enclosed_darkness`): the interior is enclosed by the lips, and what reaches the
+    edge is something else the head's motion brought in (held-out face 29's dark bob at both sides
+    of a fixed box counted as a wide-open mouth in closed-mouth frames: its ground truth scored lip
+    sync r 0.28 through the reference's box, 0.99 through its own). The opening is the mean of the
+    three largest per-column sums of darkness (the vertical extent of the dark interior, which the
+    renderer makes proportional to the opening: teeth cover a fixed 30 % of it, and mouth width does
+    not matter).
     """
     frames = np.asarray(frames_THW3)
     if frames.ndim != 4 or frames.shape[-1] != 3:
@@ -515,7 +538,7 @@ def measure_mouth_opening(frames_THW3: np.ndarray, mouth_box: np.ndarray | Box) 
         crop = frames[t, y0:y1, x0:x1].astype(np.float32)
         lum = crop[..., 0] * 0.299 + crop[..., 1] * 0.587 + crop[..., 2] * 0.114
         med = max(float(np.median(lum)), 8.0)
-        dark = np.clip((0.5 * med - lum) / (0.2 * med), 0.0, 1.0)
+        dark = _enclosed_darkness(np.clip((0.5 * med - lum) / (0.2 * med), 0.0, 1.0))
         cols = np.sort(dark.sum(axis=0))[-3:]
         out[t] = float(cols.mean()) / full
     return out
