@@ -8,6 +8,7 @@ the end. Nothing here keeps tensors between calls.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -63,6 +64,19 @@ def git_commit() -> str:
         return out.stdout.strip() or "unknown"
     except OSError:
         return "unknown"
+
+
+def checkpoint_label(path: Path, meta: dict[str, str], *more: str) -> str:
+    """How a checkpoint another one was made from is named in metadata: its file name, the commit it
+    was assembled at (its ``git_commit``), the first 12 hex digits of its SHA-256, then ``more``. The commit
+    alone does not name the file: a checkpoint is assembled before it is committed, so at that commit
+    the same path may hold its predecessor (the ninth, assembled at git 82ac639, is the eighth there)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    parts = [f"git {meta.get('git_commit', '?')}", f"sha256 {digest.hexdigest()[:12]}", *more]
+    return f"{path.name} ({', '.join(parts)})"
 
 
 @dataclass
@@ -125,7 +139,7 @@ def warm_start(modules: dict[str, nn.Module], checkpoint: Path, preset: str, sta
     reshaped: list[str] | None = [] if reinit_reshaped else None
     meta = load_checkpoint(modules, checkpoint, preset=preset, allow_missing=GROWN_PARTS, reshaped=reshaped)
     steps = ", ".join(f"{m}_steps {meta[f'{m}_steps']}" for m in modules if f"{m}_steps" in meta)
-    state.init_from = f"{checkpoint.name} (git {meta.get('git_commit', '?')}{', ' + steps if steps else ''})"
+    state.init_from = checkpoint_label(checkpoint, meta, *([steps] if steps else []))
     if reshaped:
         state.init_from += f"; seeded init kept for {len(reshaped)} reshaped tensors: {', '.join(reshaped)}"
     log.info("warm start from %s: %s", checkpoint, state.init_from)

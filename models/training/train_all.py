@@ -42,6 +42,7 @@ from models.training.common import (
     DEFAULT_CACHE,
     REPO_ROOT,
     TrainState,
+    checkpoint_label,
     git_commit,
     setup_logging,
 )
@@ -140,7 +141,7 @@ def reuse_vae(preset: ModelPreset, cache_dir: Path, checkpoint: Path) -> None:
     # every VAE figure, the decoder stages' too: these are the decoder weights reused; a decoder stage
     # run on top replaces them at assembly
     carried = {k: v for k, v in meta.items() if k.startswith(("vae_", "chain_"))}
-    carried["vae_reused_from"] = f"{checkpoint.name} (git {meta.get('git_commit', '?')})"
+    carried["vae_reused_from"] = checkpoint_label(checkpoint, meta)
     (cache_dir / "vae_reused.json").write_text(json.dumps(carried, indent=1))
     log.info("vae reused from %s: %s", checkpoint, carried)
 
@@ -227,7 +228,7 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
         **vae_meta,
         **decoder_meta,
         **trained,
-        **({"base_checkpoint": f"{base.name} (git {base_meta.get('git_commit', '?')})"} if base is not None else {}),
+        **({"base_checkpoint": checkpoint_label(base, base_meta)} if base is not None else {}),
         **(extra_meta or {}),
     }
     save_checkpoint(mods, out, metadata=meta)

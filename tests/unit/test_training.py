@@ -5,6 +5,7 @@ loads strictly through models.checkpoint."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -31,6 +32,11 @@ from models.training.train_vae import (
     zero_past_taps,
 )
 from models.vae import CausalVAE, pool_frames
+
+
+def _sha12(path: Path) -> str:
+    """The first 12 hex digits of a file's SHA-256, as checkpoint_label writes them."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
 
 
 def small_preset() -> ModelPreset:
@@ -503,7 +509,7 @@ def test_reuse_vae_takes_weights_and_metadata_of_an_earlier_checkpoint(tmp_path:
     import json
     carried = json.loads((tmp_path / "cache" / "vae_reused.json").read_text())
     assert carried["vae_steps"] == "7" and carried["vae_chain_steps"] == "2"  # the decoder reused is that one
-    assert carried["vae_reused_from"] == "old.safetensors (git abc)"
+    assert carried["vae_reused_from"] == f"old.safetensors (git abc, sha256 {_sha12(tmp_path / 'old.safetensors')})"
     save_checkpoint(mods, tmp_path / "other.safetensors", metadata={"preset": "14b"})
     with pytest.raises(CheckpointError, match="preset '14b', not 'tiny'"):
         reuse_vae(p, tmp_path / "cache2", tmp_path / "other.safetensors")
@@ -532,7 +538,7 @@ def test_decoder_fine_tune_on_a_shipped_checkpoint_keeps_its_other_modules(tmp_p
         assemble_checkpoint(p, cache, tmp_path / "x.safetensors", seed=0)
     meta = assemble_checkpoint(p, cache, tmp_path / "new.safetensors", seed=0, base=base)
     assert meta["a2v_steps"] == "11" and meta["sr_steps"] == "5" and meta["vae_chain_detail_weight"] == "8"
-    assert meta["base_checkpoint"] == "base.safetensors (git abc)"
+    assert meta["base_checkpoint"] == f"base.safetensors (git abc, sha256 {_sha12(base)})"
     # the base's decoder figures went with its decoder; the VAE's own stay (its encoder is kept)
     assert "vae_decoder_steps" not in meta and meta["vae_chain_steps"] == str(c["steps"]) and meta["vae_steps"] == "7"
     fresh = build_modules(p, seed=5)
@@ -578,7 +584,7 @@ def test_a2v_and_sr_warm_start_from_a_shipped_checkpoint(cache: Path, tmp_path: 
                   init_from=base)
     assert a["steps"] >= 1
     blob = torch.load(run / "a2v_state.pt", weights_only=False)
-    assert blob["state"]["init_from"] == "base.safetensors (git abc, a2v_steps 11)"
+    assert blob["state"]["init_from"] == f"base.safetensors (git abc, sha256 {_sha12(base)}, a2v_steps 11)"
     seeded = build_modules(p, seed=0)
     for name in ("a2v", "audio"):  # the EMA (what ships) is at the base, far from the seeded init
         got, want, init = (_first_matrix(sd) for sd in (blob["modules"][f"ema_{name}"], base_mods[name].state_dict(),
@@ -597,8 +603,8 @@ def test_a2v_and_sr_warm_start_from_a_shipped_checkpoint(cache: Path, tmp_path: 
     s = train_sr(p, run / "latents", run / "sr_state.pt", minutes=0.02, batch=8, log_every=1, init_from=base)
     assert s["init_l1"] != pytest.approx(s["bilinear_l1"])  # the base's SR, not bilinear upsampling
     meta = assemble_checkpoint(p, run, tmp_path / "new.safetensors", seed=0, base=base)
-    assert meta["a2v_init_from"] == "base.safetensors (git abc, a2v_steps 11)"
-    assert meta["sr_init_from"] == "base.safetensors (git abc, sr_steps 5)"
+    assert meta["a2v_init_from"] == f"base.safetensors (git abc, sha256 {_sha12(base)}, a2v_steps 11)"
+    assert meta["sr_init_from"] == f"base.safetensors (git abc, sha256 {_sha12(base)}, sr_steps 5)"
     assert meta["a2v_steps"] == str(again["steps"]) and meta["sr_steps"] == str(s["steps"])
     assert meta["vae_chain_steps"] == "2"  # no decoder stage ran: the reused decoder's figures stay
 
@@ -622,8 +628,8 @@ def test_warm_start_across_a_latent_channel_change(cache: Path, tmp_path: Path) 
     train_a2v(p, cache / "latents", tmp_path / "a2v.pt", minutes=0.0, init_from=base, reinit_reshaped=True)
     blob = torch.load(tmp_path / "a2v.pt", weights_only=False)
     want = ["a2v.head.bias", "a2v.head.weight", "a2v.patch_embed.weight", "a2v.ref_embed.weight"]  # file order
-    assert blob["state"]["init_from"] == ("c4.safetensors (git abc, a2v_steps 11); seeded init kept for 4 reshaped "
-                                          "tensors: " + ", ".join(want))
+    assert blob["state"]["init_from"] == (f"c4.safetensors (git abc, sha256 {_sha12(base)}, a2v_steps 11); seeded "
+                                          "init kept for 4 reshaped tensors: " + ", ".join(want))
     got, seeded, filed = blob["modules"]["ema_a2v"], build_modules(p, seed=0)["a2v"].state_dict(), base_mods["a2v"].state_dict()
     for k, v in got.items():
         if f"a2v.{k}" in want:
