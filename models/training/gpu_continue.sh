@@ -29,7 +29,7 @@ HELDOUT=${HELDOUT:-48}
 WORKERS=${WORKERS:-12}
 DEADLINE=${DEADLINE:-$((T0 + 540))}  # epoch seconds by which the checkpoint must be written
 A2V_ARGS=${A2V_ARGS:---lr 5e-4 --batch-n 24 --batch-i 64 --mouth-weight 4}
-SR_ARGS=${SR_ARGS:---lr 3e-4 --batch 64 --detail-weight 4 --feature-blur 0.8 --feature-weight 512 --reference-share 0.1 --pixel-weight 2}
+SR_ARGS=${SR_ARGS:---lr 3e-4 --batch 64 --detail-weight 4 --feature-blur 0.8 --feature-weight 512 --reference-share 0.1 --pixel-weight 6}
 DEVICE=${DEVICE:-cuda}  # cpu: the same flow on a machine without one (a dry run of the script)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 mkdir -p "$OUT" "$D"

@@ -320,8 +320,8 @@ def test_audio_guidance_peak_reaches_the_a2v(speech) -> None:  # type: ignore[no
 
 
 def test_the_shipped_checkpoint_is_the_one_its_model_card_describes() -> None:
-    """models/checkpoints/tiny.safetensors, the ninth checkpoint (the retrain once committed as
-    tiny-next.safetensors, its SR trained on with the pixel loss), is what a request without a
+    """models/checkpoints/tiny.safetensors, the tenth checkpoint (the ninth, git dc4b6bb's file, whose
+    SHA-256 its base_checkpoint names, with its SR trained on at pixel weight 6), is what a request without a
     checkpoint renders with (every other test here renders it, strictly loaded), and its metadata
     records the recipe models/checkpoints/MODEL_CARD.md and docs/training.md give."""
     from pathlib import Path
@@ -334,5 +334,5 @@ def test_the_shipped_checkpoint_is_the_one_its_model_card_describes() -> None:
         meta = f.metadata()
     assert meta["preset"] == "tiny" and meta["sr_feature_weight"] == "512" and meta["sr_reference_share"] == "0.1"
     assert meta["sr_feature_blur"] == "0.8" and meta["vae_scale_equivariance"] == "0.25"
-    assert meta["latent_clips"] == "960" and meta["a2v_lr"] == "0.0002" and meta["sr_pixel_weight"] == "2"
-    assert meta["sr_steps"] == "4215" and meta["base_checkpoint"] == "tiny-next.safetensors (git 3c60742)"
+    assert meta["latent_clips"] == "960" and meta["a2v_lr"] == "0.0002" and meta["sr_pixel_weight"] == "6"
+    assert meta["sr_steps"] == "6022" and meta["base_checkpoint"] == "tiny.safetensors (git 82ac639, sha256 413bbd25a468)"
