@@ -496,7 +496,7 @@ def _enclosed_darkness(dark_HW: np.ndarray) -> np.ndarray:
         grown[:, :-1] |= reach[:, 1:]
         grown &= on
         if np.array_equal(grown, reach):
-            return np.where(reach, 0.0, dark_HW).astype(dark_HW.dtype)
+            return np.where(reach, 0.0, dark_HW)
         reach = grown
 
 

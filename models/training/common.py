@@ -68,14 +68,13 @@ def git_commit() -> str:
 
 def checkpoint_label(path: Path, meta: dict[str, str], *more: str) -> str:
     """How a checkpoint another one was made from is named in metadata: its file name, the commit it
-    was assembled at (its ``git_commit``), the first 12 hex digits of its SHA-256, then ``more``. The commit
-    alone does not name the file: a checkpoint is assembled before it is committed, so at that commit
-    the same path may hold its predecessor (the ninth, assembled at git 82ac639, is the eighth there)."""
-    digest = hashlib.sha256()
+    was assembled at (its ``git_commit``), the first 12 hex digits of its SHA-256 (what ``sha256sum``
+    prints, so a file found in git history can be checked by hand), then ``more``. The commit alone
+    does not name the file: a checkpoint is assembled before it is committed, so at that commit the
+    same path may hold its predecessor (the ninth, assembled at git 82ac639, is the eighth there)."""
     with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    parts = [f"git {meta.get('git_commit', '?')}", f"sha256 {digest.hexdigest()[:12]}", *more]
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    parts = [f"git {meta.get('git_commit', '?')}", f"sha256 {digest[:12]}", *more]
     return f"{path.name} ({', '.join(parts)})"
 
 
