@@ -264,9 +264,7 @@ def train_a2v(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes
     st.extra["batch_n"], st.extra["batch_i"] = batch_n, batch_i
     st.extra["lr"] = lr
     batcher = A2VBatcher(clips, preset, anchor_noise=anchor_noise)
-    budget = Budget(minutes, st.elapsed_s)
     losses = LossLog(state_path.with_suffix(".jsonl"), "a2v")
-    last_save = budget.elapsed_s
     held = A2VBatcher(LatentClips(heldout_dir), preset, anchor_noise=anchor_noise) if heldout_dir else None
 
     def score_heldout() -> None:
@@ -277,6 +275,9 @@ def train_a2v(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes
             log.info("a2v step %d held-out (EMA): %s", st.step, " ".join(f"{k}={v:.5f}" for k, v in h.items()))
 
     score_heldout()
+    # the budget is training time: it starts after the start-of-run scoring, so a short budget still trains
+    budget = Budget(minutes, st.elapsed_s)
+    last_save = budget.elapsed_s
     while not budget.done():
         gen = step_generator(seed, st.step, 1)
         kind = batcher.draw_kind(gen)

@@ -217,7 +217,6 @@ def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes:
     cell_px = float(preset.vae_factor * preset.lowres_factor)
     lr_all = lowres(clips.hr, preset.lowres_factor)  # (N, T, C, h, w)
     ref_lr = lowres(clips.ref[:, None], preset.lowres_factor)[:, 0]  # (N, C, h, w)
-    budget = Budget(minutes, st.elapsed_s)
     losses = LossLog(state_path.with_suffix(".jsonl"), "sr")
     if "bilinear_l1" not in st.extra:
         st.extra["bilinear_l1"] = sr_eval(sr, clips, lr_all) if st.step == 0 else float("nan")
@@ -225,6 +224,7 @@ def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes:
                                             reinit_reshaped=reinit_reshaped):
         ema = EMA({"sr": sr})  # the average starts at the loaded weights, not at bilinear upsampling
         st.extra["init_l1"] = sr_eval(sr, clips, lr_all)
+    budget = Budget(minutes, st.elapsed_s)  # training time: starts after the start-of-run scoring
     last_save = budget.elapsed_s
     while not budget.done():
         gen = step_generator(seed, st.step, 2)

@@ -228,12 +228,12 @@ def train_decoder(preset: ModelPreset, vae: CausalVAE, state_path: Path, *, minu
     vae.decoder.requires_grad_(True)
     opt = torch.optim.AdamW(vae.decoder.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
     st = load_state(state_path, {"vae": vae}, opt)
-    budget = Budget(minutes, st.elapsed_s)
     sampler = FrameSampler("train", preset.height)
     losses = LossLog(state_path.with_suffix(".jsonl"), "vae_decoder")
     frames = heldout_frames(eval_frames, preset.height) if eval_frames else None
     if frames is not None and "start_psnr_db" not in st.extra:
         st.extra["start_psnr_db"] = heldout_psnr(vae.eval(), frames, sr)
+    budget = Budget(minutes, st.elapsed_s)  # training time: starts after the start-of-run scoring
     last_save = budget.elapsed_s
     vae.decoder.train()
     while not budget.done():

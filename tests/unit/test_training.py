@@ -27,6 +27,7 @@ from models.training.train_vae import (
     finalize_vae,
     pixel_weight,
     recon_loss,
+    train_decoder,
     train_vae,
     vae_loss,
     zero_past_taps,
@@ -716,6 +717,35 @@ def test_the_scored_pipeline_follows_the_chunk_plan(tmp_path: Path) -> None:
     # I_0 replaces N_1[0:e], I_1 replaces N_2[0:e]; everything else comes from the same N chunks
     assert same == [not (L <= t < L + e or 2 * L <= t < 2 * L + e) for t in range(n)]
     assert all(np.array_equal(a, b) for a, b in zip(with_i, frames(True), strict=True))  # seeded noise
+
+
+def test_a_budget_is_training_time_not_the_start_of_run_scoring(cache: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each trainer scores its weights before the first step (A2V held-out loss, SR bilinear L1, decoder
+    PSNR); that scoring is not spent from ``minutes``. Made slower here than the whole budget, it still
+    leaves every run its steps (it took the A2V's 1.8-s budget once on a loaded machine: zero steps)."""
+    import time
+
+    import models.training.train_a2v as a2v_mod
+    import models.training.train_sr as sr_mod
+    import models.training.train_vae as vae_mod
+
+    def slow(fn):  # type: ignore[no-untyped-def]
+        def wrapped(*args, **kwargs):  # type: ignore[no-untyped-def]
+            time.sleep(0.6)
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(a2v_mod, "heldout_loss", slow(a2v_mod.heldout_loss))
+    monkeypatch.setattr(sr_mod, "sr_eval", slow(sr_mod.sr_eval))
+    monkeypatch.setattr(vae_mod, "heldout_psnr", slow(vae_mod.heldout_psnr))
+    p, minutes = small_preset(), 0.005  # 0.3 s, half the scoring's sleep
+    held = cache / "latents"
+    out = train_a2v(p, held, tmp_path / "a2v.pt", minutes=minutes, batch_n=2, batch_i=4, heldout_dir=held)
+    assert out["steps"] >= 1 and out["heldout_loss"] != out["heldout_loss_start"]
+    assert train_sr(p, held, tmp_path / "sr.pt", minutes=minutes, batch=4)["steps"] >= 1
+    d = train_decoder(p, build_modules(p, seed=0)["vae"], tmp_path / "dec.pt", minutes=minutes, eval_frames=2)
+    assert d["steps"] >= 1 and d["heldout_psnr_db"] != d["start_psnr_db"]
 
 
 def test_heldout_loss_is_logged_recorded_and_is_the_shipped_weights(cache: Path, tmp_path: Path) -> None:
