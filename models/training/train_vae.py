@@ -162,12 +162,7 @@ def train_vae(preset: ModelPreset, state_path: Path, *, minutes: float, seed: in
         for g in opt.param_groups:
             g["lr"] = cosine_lr(lr, budget.fraction)
         loss, parts = vae_loss(vae, x, gen, kl_weight, pixel_weight(detail, detail_weight), scale_equivariance)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        opt.step()
-        with torch.no_grad():
-            zero_past_taps(vae)  # AdamW moves nothing here (zero grads), kept as a guarantee
+        vae_step(vae, opt, loss)
         st.step += 1
         losses.add(**parts)
         if st.step % log_every == 0:
@@ -205,6 +200,28 @@ def finalize_vae(vae: CausalVAE, preset: ModelPreset, count: int = 32, seed: int
     for tap in range(conv_in.kt):
         conv_in.conv.weight[:, tap * c : (tap + 1) * c] *= s[None, :, None, None]
     return s
+
+
+def vae_step(vae: CausalVAE, opt: torch.optim.Optimizer, loss: torch.Tensor) -> None:
+    """One optimiser step on ``loss`` over the parameters ``opt`` holds (the whole VAE, or the decoder
+    alone): gradients clipped at norm 1, then the causal taps on past frames back to zero (AdamW moves
+    nothing there, zero grads; kept as a guarantee that the decoder stays per-frame)."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([t for g in opt.param_groups for t in g["params"]], 1.0)
+    opt.step()
+    with torch.no_grad():
+        zero_past_taps(vae)
+
+
+def decoder_step(vae: CausalVAE, opt: torch.optim.Optimizer, z: torch.Tensor, x: torch.Tensor,
+                 weight: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+    """One step of the decoder alone (``opt`` over its parameters): decode latents ``z`` to frames ``x``
+    (:func:`recon_loss`, per-pixel ``weight``), then :func:`vae_step`. Returns the loss and its parts."""
+    y, _ = vae.decode(z, clamp=False)
+    loss, parts = recon_loss(y, x, weight)
+    vae_step(vae, opt, loss)
+    return loss, parts
 
 
 def train_decoder(preset: ModelPreset, vae: CausalVAE, state_path: Path, *, minutes: float, seed: int = 0,
@@ -249,14 +266,7 @@ def train_decoder(preset: ModelPreset, vae: CausalVAE, state_path: Path, *, minu
                 lr_z = vae.to_lowres(mean)
                 sig = torch.rand(lr_z.shape[0], 1, 1, 1, 1, generator=gen) * sr_noise
                 z = sr(lr_z + sig * torch.randn(lr_z.shape, generator=gen), vae.encode(refs)[:, :, 0])
-        y, _ = vae.decode(z, clamp=False)
-        loss, parts = recon_loss(y, x, pixel_weight(detail, detail_weight))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.decoder.parameters(), 1.0)
-        opt.step()
-        with torch.no_grad():
-            zero_past_taps(vae)
+        loss, parts = decoder_step(vae, opt, z, x, pixel_weight(detail, detail_weight))
         st.step += 1
         losses.add(loss=loss.item(), **parts)
         if st.step % log_every == 0:

@@ -5,6 +5,7 @@ fit against the generator's poses, the aggregate, the contact sheet and the CLI 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -24,9 +25,10 @@ from bench.fidelity import (
     ssim_map,
 )
 from bench.quality import chunk_boundaries, load_audio
-from models.avatars.dataset import AvatarRenderer, FrameTruth
+from models.avatars.dataset import IDENTITY_SPLITS, AvatarRenderer, FrameTruth
 from models.avatars.face import ACCESSORY_STYLES, FaceRenderer, HeadPose
 from models.avatars.speech import speechlike_signal
+from models.training.data import to_unit
 from tests.espeak import needs_espeak
 
 GLASSES, HAT = 1_000_000, 1_000_006  # held-out identities wearing glasses / a hat (no glasses)
@@ -286,6 +288,65 @@ def test_chain_upper_bounds_score_the_autoencoder_and_the_sr(tmp_path: Path, cap
     assert "--first-identity -1 --identities 1: held-out identities -1..-1" in capsys.readouterr().err
     with pytest.raises(ValueError, match="render_fn or clip_fn"):
         run_fidelity(1, 0.64, 0, None)
+
+
+@needs_espeak
+def test_decoder_ceiling_fits_a_decoder_on_the_scored_faces_and_scores_it_as_the_vae_chain(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """bench.decoder_ceiling: the checkpoint's frozen encoder with a decoder of another width (seeded
+    init) or its own; the fit lowers the loss on its pool and leaves the encoder as it was; unfitted, the
+    checkpoint's own autoencoder scores exactly as bench.reconstruction's vae chain."""
+    from bench.decoder_ceiling import build_vae, fit, frame_pool, main, score
+    from bench.reconstruction import fidelity_bounds, load_modules
+    from models.training.train_vae import recon_loss
+
+    shipped = load_modules()[0]["vae"].state_dict()
+    own, start = build_vae(None, None, False, 0)
+    assert start == "the checkpoint's autoencoder"
+    assert all(torch.equal(v, shipped[k]) for k, v in own.state_dict().items())
+    ref = fidelity_bounds(num_identities=1, seconds=0.64, chains=("vae",))["vae"]["identities"][0]  # type: ignore[index]
+    assert score(own, 1, 0, 0.64, 0)["identities"][0]["model"] == pytest.approx(ref["model"], nan_ok=True)  # type: ignore[index]
+
+    wide, start = build_vae(None, (32, 64, 128), False, 0)
+    assert start.endswith("(decoder)") and wide.decoder.conv_in.conv.out_channels == 128
+    enc = {k: v.clone() for k, v in wide.state_dict().items() if k.startswith("encoder.")}
+    assert all(torch.equal(v, shipped[k]) for k, v in enc.items())
+    pool = frame_pool(0, 1, 4, seed=1)
+    frames, details, refs = pool
+    assert frames.shape == (4, 3, 256, 256) and frames.dtype == torch.uint8 and details.shape == (4, 1, 256, 256)
+    assert torch.equal(refs[0], to_unit(AvatarRenderer(IDENTITY_SPLITS["heldout"][0]).reference()))
+
+    def pool_loss() -> float:
+        with torch.no_grad():
+            x = (frames.float() / 127.5 - 1)[:, :, None]
+            return float(recon_loss(wide.decode(wide.encode_moments(x)[0], clamp=False)[0], x)[0])
+
+    before = pool_loss()
+    out = fit(wide, pool, minutes=0.15)
+    assert out["steps"] >= 5 and pool_loss() < 0.8 * before
+    assert all(torch.equal(v, enc[k]) for k, v in wide.state_dict().items() if k.startswith("encoder."))
+    with pytest.raises(SystemExit):
+        main(["--dec-channels", "32,wide"])
+    assert "--dec-channels '32,wide': give integers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--latent-channels", "16"])
+    assert "--latent-channels 16: a latent of another width needs an encoder trained for it" in capsys.readouterr().err
+    # a wider latent: the layers that read or write it start afresh, the rest is the checkpoint's; fitting
+    # the whole autoencoder moves the encoder too
+    ae, start = build_vae(None, None, False, 0, latent_channels=16)
+    assert start.endswith("seeded init for 3 of 72 tensors (decoder, encoder)")
+    assert torch.equal(ae.state_dict()["encoder.blocks.1.weight"], shipped["encoder.blocks.1.weight"])
+    before_ae = {k: v.clone() for k, v in ae.state_dict().items()}
+    assert fit(ae, pool, minutes=0.02, train_encoder=True)["steps"] >= 1
+    assert not torch.equal(ae.state_dict()["encoder.blocks.1.weight"], before_ae["encoder.blocks.1.weight"])
+    # the CLI: fit, save, score; the saved autoencoder scored again (--load) gives the same figures
+    short = ["--identities", "1", "--seconds", "0.64", "--threads", "1"]
+    assert main([*short, "--dec-channels", "16,32,48", "--minutes", "0.03", "--per-identity", "2",
+                 "--save", str(tmp_path / "d.pt"), "--out", str(tmp_path / "fit.json")]) == 0
+    assert main([*short, "--load", str(tmp_path / "d.pt"), "--out", str(tmp_path / "load.json")]) == 0
+    fitted, loaded = (json.loads((tmp_path / f).read_text()) for f in ("fit.json", "load.json"))
+    assert fitted["dec_channels"] == loaded["dec_channels"] == [16, 32, 48] and fitted["steps"] == loaded["steps"] >= 1
+    assert loaded["ratios"] == fitted["ratios"]
 
 
 @needs_espeak

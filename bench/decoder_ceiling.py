@@ -1,0 +1,223 @@
+"""How far a decoder of a given size can take the autoencoder on the benchmark's identities (issue 15).
+
+Question it answers: the per-region distances of the autoencoder alone (``bench.reconstruction
+--fidelity --chains vae``) stay above the acceptance's 1.25x ground truth. Is that the latent (what the
+frozen encoder keeps) or the decoder (its width, its training)? This fits a decoder on frames of the
+very identities the fidelity benchmark scores — other poses, blinks and mouths than the benchmark's
+clips (motion drawn here, not the benchmark's seeds), so it cannot copy the scored frames, but it may
+learn those 20 faces by heart — and then scores the ``vae`` chain with it exactly as
+``bench.reconstruction`` does. A decoder specialised to the scored faces bounds every decoder of its
+size on this encoder from above (up to its training time): if even it stays above 1.25x, a generally
+trained one will too, and the latent is what must grow; if a wider one gets much nearer than the
+present width in the same time, the decoder is.
+
+    python -m bench.decoder_ceiling --minutes 40 --threads 1 --out /tmp/ceil-1x.json
+    python -m bench.decoder_ceiling --minutes 40 --threads 1 --dec-channels 32,64,128 --out /tmp/ceil-2x.json
+
+    python -m bench.decoder_ceiling --minutes 35 --threads 1 --train-encoder --latent-channels 16
+
+The encoder is the checkpoint's, frozen, and the pool is encoded once. The decoder starts from the
+checkpoint's when its shape is the preset's (``--from-scratch`` to start from the seeded init
+instead), else from the seeded init. Its training is ``train_vae.train_decoder``'s (AdamW, cosine LR,
+detail-weighted L1 + edges, causal taps on past frames kept at zero). ``--train-encoder`` fits the
+whole autoencoder instead (``train_vae``'s loss, the latent sampled), the ceiling of latent and
+decoder together; ``--latent-channels`` gives it another latent width (the layers that read or
+write latents start from the seeded init, the rest from the checkpoint). Diagnostic only: nothing
+is written into a checkpoint (``--save`` keeps the fitted autoencoder to score again, ``--load``).
+Figures: docs/quality.md "A decoder fit to the scored faces".
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.reconstruction import CHAIN_BATCH, _chains, load_modules
+from models.avatars.dataset import FPS, IDENTITY_SPLITS, AvatarRenderer
+from models.training.common import Budget, cosine_lr
+from models.training.data import DETAIL_REGIONS, to_unit
+from models.training.train_vae import decoder_step, pixel_weight, vae_loss, vae_step, zero_past_taps
+from models.vae import CausalVAE
+
+log = logging.getLogger(__name__)
+
+
+def frame_pool(first: int, num_identities: int, per_identity: int, seed: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``per_identity`` random frames (pose, blink, mouth drawn as ``FrameSampler`` draws them) of each
+    held-out identity ``first ..``: uint8 ``(N, 3, S, S)``, their detail coverage ``(N, 1, S, S)`` and
+    the identity's reference frames ``(num_identities, 3, S, S)`` in [-1, 1]."""
+    gen = torch.Generator().manual_seed(seed)
+    lo = IDENTITY_SPLITS["heldout"][0]
+    frames, details, refs = [], [], []
+    for k in range(first, first + num_identities):
+        r = AvatarRenderer(lo + k)
+        refs.append(to_unit(r.reference()))
+        for _ in range(per_identity):
+            u = torch.rand(4, generator=gen).tolist()
+            img, truth = r.frame(int(torch.randint(100_000, (1,), generator=gen)), u[0] if u[1] < 0.7 else 0.0, u[2])
+            frames.append(torch.from_numpy(np.array(img)).permute(2, 0, 1))
+            details.append(torch.from_numpy(r.coverage(truth, DETAIL_REGIONS)[0])[None])
+    return torch.stack(frames), torch.stack(details), torch.stack(refs)
+
+
+def build_vae(checkpoint: Path | None, dec_channels: tuple[int, ...] | None, from_scratch: bool, seed: int,
+              latent_channels: int | None = None) -> tuple[CausalVAE, str]:
+    """The checkpoint's autoencoder with a decoder of ``dec_channels`` and a latent of ``latent_channels``
+    (defaults: the preset's). Every tensor of the checkpoint's whose shape still fits is loaded — the
+    decoder's only when ``from_scratch`` is off — the rest keep the seeded init (with another latent
+    width: the encoder's output conv and the decoder's input conv). Returns it and what it started from."""
+    mods, preset = load_modules(checkpoint)
+    cfg = dataclasses.replace(preset.vae, dec_channels=dec_channels or preset.vae.dec_channels,
+                              latent_channels=latent_channels or preset.vae.latent_channels)
+    torch.manual_seed(seed)
+    vae = CausalVAE(cfg)
+    own = vae.state_dict()
+    keep = {k: v for k, v in mods["vae"].state_dict().items()
+            if own[k].shape == v.shape and not (from_scratch and k.startswith("decoder."))}
+    vae.load_state_dict(keep, strict=False)
+    with torch.no_grad():
+        zero_past_taps(vae)  # the decoder is per-frame, as train_vae leaves it
+    fresh = sorted({k.split(".")[0] for k in own if k not in keep})
+    start = "the checkpoint's autoencoder" if not fresh else (
+        f"the checkpoint's autoencoder, seeded init for {len(own) - len(keep)} of {len(own)} tensors "
+        f"({', '.join(fresh)})")
+    return vae, start
+
+
+def fit(vae: CausalVAE, pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor], minutes: float, *, batch: int = 2,
+        lr: float = 1.5e-3, detail_weight: float = 16.0, seed: int = 0, train_encoder: bool = False,
+        kl_weight: float = 1e-5) -> dict[str, float]:
+    """Fit the decoder on the pool (latents encoded once by the frozen encoder) for ``minutes``; with
+    ``train_encoder`` the whole autoencoder (``train_vae``'s loss: the latent sampled, ``kl_weight`` x KL)."""
+    frames, details, _ = pool
+    vae.eval()
+    z_all = torch.zeros(0)
+    if not train_encoder:
+        with torch.inference_mode():
+            z_all = torch.cat([vae.encode_moments((frames[i : i + 16].float() / 127.5 - 1)[:, :, None])[0]
+                               for i in range(0, len(frames), 16)]).clone()
+    vae.requires_grad_(False)
+    part = vae if train_encoder else vae.decoder
+    part.requires_grad_(True).train()
+    opt = torch.optim.AdamW(part.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
+    gen = torch.Generator().manual_seed(seed)
+    budget, steps, recent = Budget(minutes), 0, []
+    while not budget.done():
+        idx = torch.randint(len(frames), (batch,), generator=gen)
+        x = (frames[idx].float() / 127.5 - 1)[:, :, None]
+        weight = pixel_weight(details[idx][:, :, None], detail_weight)
+        for g in opt.param_groups:
+            g["lr"] = cosine_lr(lr, budget.fraction, warmup=0.0)
+        if train_encoder:
+            loss, _ = vae_loss(vae, x, gen, kl_weight, weight)
+            vae_step(vae, opt, loss)
+        else:
+            loss, _ = decoder_step(vae, opt, z_all[idx], x, weight)
+        steps += 1
+        recent = (recent + [loss.item()])[-200:]
+        if steps % 500 == 0:
+            log.info("step %d, %.0f s: loss (last 200) %.4f", steps, budget.elapsed_s, sum(recent) / len(recent))
+    vae.eval()
+    return {"steps": steps, "seconds": round(budget.elapsed_s, 1),
+            "final_loss": round(sum(recent) / max(len(recent), 1), 5)}
+
+
+@torch.inference_mode()
+def score(vae: CausalVAE, num_identities: int, first: int, seconds: float, seed: int,
+          sheet: Path | None = None) -> dict[str, object]:
+    """``bench.reconstruction``'s ``vae`` chain bound with this autoencoder."""
+    import math
+
+    from bench.fidelity import run_fidelity
+
+    def clip(gt: AvatarRenderer, audio: np.ndarray) -> tuple[list[np.ndarray], list[int]]:
+        n = math.ceil(seconds * FPS)
+        truth = [frame for frame, _ in gt.stream(audio, num_frames=n)]
+        out: list[np.ndarray] = []
+        for i in range(0, n, CHAIN_BATCH):
+            x = to_unit(np.stack(truth[i : i + CHAIN_BATCH])).transpose(0, 1)[None]
+            out += _chains({"vae": vae}, x, torch.zeros(0), ("vae",))["vae"][1]
+        return out, list(range(CHAIN_BATCH, n, CHAIN_BATCH))
+
+    return run_fidelity(num_identities, seconds, seed, None, sheet, clip_fn=clip, first=first)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.decoder_ceiling", description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", type=Path, default=None, help="encoder (and decoder) from here (default: shipped)")
+    p.add_argument("--dec-channels", default=None,
+                   help="decoder channels per level, comma-separated, half resolution first (default: the preset's)")
+    p.add_argument("--from-scratch", action="store_true", help="start the decoder from the seeded init")
+    p.add_argument("--latent-channels", type=int, default=None,
+                   help="latent width (default the preset's); another one starts the layers that read or write "
+                        "latents from the seeded init: use with --train-encoder")
+    p.add_argument("--train-encoder", action="store_true",
+                   help="fit the whole autoencoder (the ceiling of the latent and decoder together), not the decoder")
+    p.add_argument("--minutes", type=float, default=40.0, help="fitting time (0: score the start)")
+    p.add_argument("--identities", type=int, default=20)
+    p.add_argument("--first-identity", type=int, default=0)
+    p.add_argument("--per-identity", type=int, default=48, help="training frames drawn per identity")
+    p.add_argument("--detail-weight", type=float, default=16.0)
+    p.add_argument("--seconds", type=float, default=4.0, help="scored clip length, as bench.reconstruction's")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", type=Path, default=None, help="write the JSON result here too")
+    p.add_argument("--save", type=Path, default=None,
+                   help="write the fitted autoencoder here ({'vae': state dict, 'dec_channels': [...]}; --load reads it)")
+    p.add_argument("--load", type=Path, default=None, help="score an autoencoder --save wrote instead of fitting one")
+    p.add_argument("--sheet", type=Path, default=None, help="also write a contact sheet (bench.quality --sheet's)")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    torch.set_num_threads(a.threads)
+    dec = None
+    if a.latent_channels is not None and not a.train_encoder:
+        p.error(f"--latent-channels {a.latent_channels}: a latent of another width needs an encoder trained for it: "
+                "add --train-encoder")
+    if a.dec_channels:
+        try:
+            dec = tuple(int(c) for c in a.dec_channels.split(","))
+        except ValueError:
+            p.error(f"--dec-channels {a.dec_channels!r}: give integers, comma-separated (e.g. 32,64,128)")
+    t0 = time.monotonic()
+    trained: dict[str, object] = {}
+    if a.load is not None:
+        blob = torch.load(a.load, map_location="cpu", weights_only=False)
+        vae, start = build_vae(a.checkpoint, tuple(blob["dec_channels"]), True, a.seed, blob["latent_channels"])
+        vae.load_state_dict(blob["vae"])
+        trained = blob["fit"]
+        start = f"{a.load}"
+    else:
+        vae, start = build_vae(a.checkpoint, dec, a.from_scratch, a.seed, a.latent_channels)
+    if a.load is None and a.minutes > 0:
+        pool = frame_pool(a.first_identity, a.identities, a.per_identity, a.seed + 1)
+        log.info("decoder %s, latent %d, from %s: %d decoder parameters; pool of %d frames in %.0f s",
+                 vae.cfg.dec_channels, vae.cfg.latent_channels, start,
+                 sum(t.numel() for t in vae.decoder.parameters()), len(pool[0]), time.monotonic() - t0)
+        trained = {**fit(vae, pool, a.minutes, detail_weight=a.detail_weight, seed=a.seed,
+                         train_encoder=a.train_encoder), "trained": "autoencoder" if a.train_encoder else "decoder"}
+        if a.save is not None:
+            torch.save({"vae": vae.state_dict(), "dec_channels": list(vae.cfg.dec_channels),
+                        "latent_channels": vae.cfg.latent_channels, "fit": trained}, a.save)
+    res = score(vae, a.identities, a.first_identity, a.seconds, a.seed, a.sheet)
+    agg = res["aggregate"]["all"]  # type: ignore[index]
+    out = {"dec_channels": list(vae.cfg.dec_channels), "latent_channels": vae.cfg.latent_channels, "start": start,
+           **trained,
+           "ratios": {k[len("ratio_"):]: v for k, v in agg.items() if k.startswith("ratio_")},
+           "presence": {k: v for k, v in agg.items() if k.startswith("model_presence_")}}
+    text = json.dumps(out, indent=1)
+    print(text)
+    if a.out is not None:
+        a.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
