@@ -5,7 +5,7 @@ Question it answers: the per-region distances of the autoencoder alone (``bench.
 frozen encoder keeps) or the decoder (its width, its training)? This fits a decoder on frames of the
 very identities the fidelity benchmark scores — other poses, blinks and mouths than the benchmark's
 clips (motion drawn here, not the benchmark's seeds), so it cannot copy the scored frames, but it may
-learn those 20 faces by heart — and then scores the ``vae`` chain with it exactly as
+learn those 20 faces by heart (``--fit-first-identity``: the control, other faces) — and then scores the ``vae`` chain with it exactly as
 ``bench.reconstruction`` does. A decoder specialised to the scored faces bounds every decoder of its
 size on this encoder from above (up to its training time): if even it stays above 1.25x, a generally
 trained one will too, and the latent is what must grow; if a wider one gets much nearer than the
@@ -15,6 +15,7 @@ present width in the same time, the decoder is.
     python -m bench.decoder_ceiling --minutes 40 --threads 1 --dec-channels 32,64,128 --out /tmp/ceil-2x.json
 
     python -m bench.decoder_ceiling --minutes 35 --threads 1 --train-encoder --latent-channels 16
+    python -m bench.decoder_ceiling --minutes 60 --steps 6000 --threads 1 --fit-first-identity 20   # the control
 
 The encoder is the checkpoint's, frozen, and the pool is encoded once. The decoder starts from the
 checkpoint's when its shape is the preset's (``--from-scratch`` to start from the seeded init
@@ -94,7 +95,7 @@ def build_vae(checkpoint: Path | None, dec_channels: tuple[int, ...] | None, fro
 
 def fit(vae: CausalVAE, pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor], minutes: float, *, batch: int = 2,
         lr: float = 1.5e-3, detail_weight: float = 16.0, seed: int = 0, train_encoder: bool = False,
-        kl_weight: float = 1e-5) -> dict[str, float]:
+        kl_weight: float = 1e-5, max_steps: int | None = None) -> dict[str, float]:
     """Fit the decoder on the pool (latents encoded once by the frozen encoder) for ``minutes``; with
     ``train_encoder`` the whole autoencoder (``train_vae``'s loss: the latent sampled, ``kl_weight`` x KL)."""
     frames, details, _ = pool
@@ -110,7 +111,7 @@ def fit(vae: CausalVAE, pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor], m
     opt = torch.optim.AdamW(part.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
     gen = torch.Generator().manual_seed(seed)
     budget, steps, recent = Budget(minutes), 0, []
-    while not budget.done():
+    while not budget.done() and (max_steps is None or steps < max_steps):
         idx = torch.randint(len(frames), (batch,), generator=gen)
         x = (frames[idx].float() / 127.5 - 1)[:, :, None]
         weight = pixel_weight(details[idx][:, :, None], detail_weight)
@@ -165,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--identities", type=int, default=20)
     p.add_argument("--first-identity", type=int, default=0)
     p.add_argument("--per-identity", type=int, default=48, help="training frames drawn per identity")
+    p.add_argument("--fit-first-identity", type=int, default=None,
+                   help="draw the training frames from held-out identities K.. instead of the scored ones (the "
+                        "control: the same training on faces the benchmark does not score)")
+    p.add_argument("--steps", type=int, default=None, help="stop after this many steps (or --minutes, the first)")
     p.add_argument("--detail-weight", type=float, default=16.0)
     p.add_argument("--seconds", type=float, default=4.0, help="scored clip length, as bench.reconstruction's")
     p.add_argument("--seed", type=int, default=0)
@@ -197,12 +202,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         vae, start = build_vae(a.checkpoint, dec, a.from_scratch, a.seed, a.latent_channels)
     if a.load is None and a.minutes > 0:
-        pool = frame_pool(a.first_identity, a.identities, a.per_identity, a.seed + 1)
+        fit_first = a.first_identity if a.fit_first_identity is None else a.fit_first_identity
+        pool = frame_pool(fit_first, a.identities, a.per_identity, a.seed + 1)
         log.info("decoder %s, latent %d, from %s: %d decoder parameters; pool of %d frames in %.0f s",
                  vae.cfg.dec_channels, vae.cfg.latent_channels, start,
                  sum(t.numel() for t in vae.decoder.parameters()), len(pool[0]), time.monotonic() - t0)
         trained = {**fit(vae, pool, a.minutes, detail_weight=a.detail_weight, seed=a.seed,
-                         train_encoder=a.train_encoder), "trained": "autoencoder" if a.train_encoder else "decoder"}
+                         train_encoder=a.train_encoder, max_steps=a.steps),
+                   "trained": "autoencoder" if a.train_encoder else "decoder",
+                   "fit_identities": [fit_first, fit_first + a.identities - 1]}
         if a.save is not None:
             torch.save({"vae": vae.state_dict(), "dec_channels": list(vae.cfg.dec_channels),
                         "latent_channels": vae.cfg.latent_channels, "fit": trained}, a.save)
