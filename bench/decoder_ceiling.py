@@ -35,38 +35,36 @@ import dataclasses
 import json
 import logging
 import time
+from collections import deque
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from bench.reconstruction import CHAIN_BATCH, _chains, load_modules
-from models.avatars.dataset import FPS, IDENTITY_SPLITS, AvatarRenderer
+from bench.reconstruction import fidelity_bounds, load_modules
+from models.avatars.dataset import IDENTITY_SPLITS, AvatarRenderer
 from models.training.common import Budget, cosine_lr
-from models.training.data import DETAIL_REGIONS, to_unit
+from models.training.data import DETAIL_REGIONS
 from models.training.train_vae import decoder_step, pixel_weight, vae_loss, vae_step, zero_past_taps
 from models.vae import CausalVAE
 
 log = logging.getLogger(__name__)
 
 
-def frame_pool(first: int, num_identities: int, per_identity: int, seed: int
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def frame_pool(first: int, num_identities: int, per_identity: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``per_identity`` random frames (pose, blink, mouth drawn as ``FrameSampler`` draws them) of each
-    held-out identity ``first ..``: uint8 ``(N, 3, S, S)``, their detail coverage ``(N, 1, S, S)`` and
-    the identity's reference frames ``(num_identities, 3, S, S)`` in [-1, 1]."""
+    held-out identity ``first ..``: uint8 ``(N, 3, S, S)`` and their detail coverage ``(N, 1, S, S)``."""
     gen = torch.Generator().manual_seed(seed)
     lo = IDENTITY_SPLITS["heldout"][0]
-    frames, details, refs = [], [], []
+    frames, details = [], []
     for k in range(first, first + num_identities):
         r = AvatarRenderer(lo + k)
-        refs.append(to_unit(r.reference()))
         for _ in range(per_identity):
             u = torch.rand(4, generator=gen).tolist()
             img, truth = r.frame(int(torch.randint(100_000, (1,), generator=gen)), u[0] if u[1] < 0.7 else 0.0, u[2])
             frames.append(torch.from_numpy(np.array(img)).permute(2, 0, 1))
             details.append(torch.from_numpy(r.coverage(truth, DETAIL_REGIONS)[0])[None])
-    return torch.stack(frames), torch.stack(details), torch.stack(refs)
+    return torch.stack(frames), torch.stack(details)
 
 
 def build_vae(checkpoint: Path | None, dec_channels: tuple[int, ...] | None, from_scratch: bool, seed: int,
@@ -93,12 +91,12 @@ def build_vae(checkpoint: Path | None, dec_channels: tuple[int, ...] | None, fro
     return vae, start
 
 
-def fit(vae: CausalVAE, pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor], minutes: float, *, batch: int = 2,
+def fit(vae: CausalVAE, pool: tuple[torch.Tensor, torch.Tensor], minutes: float, *, batch: int = 2,
         lr: float = 1.5e-3, detail_weight: float = 16.0, seed: int = 0, train_encoder: bool = False,
         kl_weight: float = 1e-5, max_steps: int | None = None) -> dict[str, float]:
     """Fit the decoder on the pool (latents encoded once by the frozen encoder) for ``minutes``; with
     ``train_encoder`` the whole autoencoder (``train_vae``'s loss: the latent sampled, ``kl_weight`` x KL)."""
-    frames, details, _ = pool
+    frames, details = pool
     vae.eval()
     z_all = torch.zeros(0)
     if not train_encoder:
@@ -110,7 +108,8 @@ def fit(vae: CausalVAE, pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor], m
     part.requires_grad_(True).train()
     opt = torch.optim.AdamW(part.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
     gen = torch.Generator().manual_seed(seed)
-    budget, steps, recent = Budget(minutes), 0, []
+    budget, steps = Budget(minutes), 0
+    recent: deque[float] = deque(maxlen=200)  # the last 200 losses
     while not budget.done() and (max_steps is None or steps < max_steps):
         idx = torch.randint(len(frames), (batch,), generator=gen)
         x = (frames[idx].float() / 127.5 - 1)[:, :, None]
@@ -123,32 +122,12 @@ def fit(vae: CausalVAE, pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor], m
         else:
             loss, _ = decoder_step(vae, opt, z_all[idx], x, weight)
         steps += 1
-        recent = (recent + [loss.item()])[-200:]
+        recent.append(loss.item())
         if steps % 500 == 0:
             log.info("step %d, %.0f s: loss (last 200) %.4f", steps, budget.elapsed_s, sum(recent) / len(recent))
     vae.eval()
     return {"steps": steps, "seconds": round(budget.elapsed_s, 1),
             "final_loss": round(sum(recent) / max(len(recent), 1), 5)}
-
-
-@torch.inference_mode()
-def score(vae: CausalVAE, num_identities: int, first: int, seconds: float, seed: int,
-          sheet: Path | None = None) -> dict[str, object]:
-    """``bench.reconstruction``'s ``vae`` chain bound with this autoencoder."""
-    import math
-
-    from bench.fidelity import run_fidelity
-
-    def clip(gt: AvatarRenderer, audio: np.ndarray) -> tuple[list[np.ndarray], list[int]]:
-        n = math.ceil(seconds * FPS)
-        truth = [frame for frame, _ in gt.stream(audio, num_frames=n)]
-        out: list[np.ndarray] = []
-        for i in range(0, n, CHAIN_BATCH):
-            x = to_unit(np.stack(truth[i : i + CHAIN_BATCH])).transpose(0, 1)[None]
-            out += _chains({"vae": vae}, x, torch.zeros(0), ("vae",))["vae"][1]
-        return out, list(range(CHAIN_BATCH, n, CHAIN_BATCH))
-
-    return run_fidelity(num_identities, seconds, seed, None, sheet, clip_fn=clip, first=first)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,10 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     trained: dict[str, object] = {}
     if a.load is not None:
         blob = torch.load(a.load, map_location="cpu", weights_only=False)
-        vae, start = build_vae(a.checkpoint, tuple(blob["dec_channels"]), True, a.seed, blob["latent_channels"])
+        vae = build_vae(a.checkpoint, tuple(blob["dec_channels"]), True, a.seed, blob["latent_channels"])[0]
         vae.load_state_dict(blob["vae"])
-        trained = blob["fit"]
-        start = f"{a.load}"
+        trained, start = blob["fit"], str(a.load)
     else:
         vae, start = build_vae(a.checkpoint, dec, a.from_scratch, a.seed, a.latent_channels)
     if a.load is None and a.minutes > 0:
@@ -214,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.save is not None:
             torch.save({"vae": vae.state_dict(), "dec_channels": list(vae.cfg.dec_channels),
                         "latent_channels": vae.cfg.latent_channels, "fit": trained}, a.save)
-    res = score(vae, a.identities, a.first_identity, a.seconds, a.seed, a.sheet)
+    res = fidelity_bounds(a.identities, a.seconds, a.seed, chains=("vae",), first=a.first_identity, vae=vae,
+                          sheet=a.sheet)["vae"]
     agg = res["aggregate"]["all"]  # type: ignore[index]
     out = {"dec_channels": list(vae.cfg.dec_channels), "latent_channels": vae.cfg.latent_channels, "start": start,
            **trained,

@@ -118,21 +118,25 @@ def _chains(mods: dict[str, torch.nn.Module], x: torch.Tensor, ref_z: torch.Tens
 @torch.inference_mode()
 def fidelity_bounds(num_identities: int = 20, seconds: float = 4.0, seed: int = 0,
                     checkpoint: Path | None = None, chains: tuple[str, ...] = CHAINS,
-                    vae_state: Path | None = None, first: int = 0) -> dict[str, object]:
+                    vae_state: Path | None = None, first: int = 0, *, vae: torch.nn.Module | None = None,
+                    sheet: Path | None = None) -> dict[str, object]:
     """``bench.fidelity`` over the chains' outputs of the ground-truth clips (the same identities,
     audio and statistics as ``bench.quality --fidelity``; ``first``: held-out identities first..,
     as its ``--first-identity``): ``{"vae": result, "sr": result}`` (the ``chains`` asked for), each
     with its per-identity rows and aggregate (model / ground truth ratios).
     ``vae_state``: score that VAE training state instead of a checkpoint's (:func:`load_modules`;
-    ``chains`` must then be ``("vae",)``)."""
-    if vae_state is not None and tuple(chains) != ("vae",):
-        raise ValueError(f"vae_state={vae_state}: only the vae chain can be scored without a checkpoint "
-                         f"(chains={chains!r}): pass chains=('vae',) (--chains vae)")
+    ``chains`` must then be ``("vae",)``); ``vae``: score this autoencoder module, likewise
+    (``bench.decoder_ceiling``'s fitted ones). ``sheet``: a contact sheet of the one chain asked for."""
+    if (vae_state is not None or vae is not None) and tuple(chains) != ("vae",):
+        raise ValueError(f"vae_state={vae_state}, vae={type(vae).__name__}: only the vae chain can be scored "
+                         f"without a checkpoint (chains={chains!r}): pass chains=('vae',) (--chains vae)")
+    if sheet is not None and len(chains) != 1:
+        raise ValueError(f"sheet={sheet}: one contact sheet shows one chain (chains={chains!r}): ask for one")
     from bench.fidelity import run_fidelity
     from models.avatars.dataset import AvatarRenderer
     from models.training.data import to_unit
 
-    mods, _ = load_modules(checkpoint, vae_state=vae_state)
+    mods = {"vae": vae} if vae is not None else load_modules(checkpoint, vae_state=vae_state)[0]
 
     def chain_clip(name: str) -> Callable[[AvatarRenderer, np.ndarray], tuple[list[np.ndarray], list[int]]]:
         def clip(gt: AvatarRenderer, audio: np.ndarray) -> tuple[list[np.ndarray], list[int]]:
@@ -147,7 +151,7 @@ def fidelity_bounds(num_identities: int = 20, seconds: float = 4.0, seed: int = 
 
         return clip
 
-    return {name: run_fidelity(num_identities, seconds, seed, None, clip_fn=chain_clip(name), first=first)
+    return {name: run_fidelity(num_identities, seconds, seed, None, sheet, clip_fn=chain_clip(name), first=first)
             for name in chains}
 
 

@@ -25,10 +25,9 @@ from bench.fidelity import (
     ssim_map,
 )
 from bench.quality import chunk_boundaries, load_audio
-from models.avatars.dataset import IDENTITY_SPLITS, AvatarRenderer, FrameTruth
+from models.avatars.dataset import AvatarRenderer, FrameTruth
 from models.avatars.face import ACCESSORY_STYLES, FaceRenderer, HeadPose
 from models.avatars.speech import speechlike_signal
-from models.training.data import to_unit
 from tests.espeak import needs_espeak
 
 GLASSES, HAT = 1_000_000, 1_000_006  # held-out identities wearing glasses / a hat (no glasses)
@@ -296,7 +295,7 @@ def test_decoder_ceiling_fits_a_decoder_on_the_scored_faces_and_scores_it_as_the
     """bench.decoder_ceiling: the checkpoint's frozen encoder with a decoder of another width (seeded
     init) or its own; the fit lowers the loss on its pool and leaves the encoder as it was; unfitted, the
     checkpoint's own autoencoder scores exactly as bench.reconstruction's vae chain."""
-    from bench.decoder_ceiling import build_vae, fit, frame_pool, main, score
+    from bench.decoder_ceiling import build_vae, fit, frame_pool, main
     from bench.reconstruction import fidelity_bounds, load_modules
     from models.training.train_vae import recon_loss
 
@@ -305,16 +304,20 @@ def test_decoder_ceiling_fits_a_decoder_on_the_scored_faces_and_scores_it_as_the
     assert start == "the checkpoint's autoencoder"
     assert all(torch.equal(v, shipped[k]) for k, v in own.state_dict().items())
     ref = fidelity_bounds(num_identities=1, seconds=0.64, chains=("vae",))["vae"]["identities"][0]  # type: ignore[index]
-    assert score(own, 1, 0, 0.64, 0)["identities"][0]["model"] == pytest.approx(ref["model"], nan_ok=True)  # type: ignore[index]
+    mine = fidelity_bounds(num_identities=1, seconds=0.64, chains=("vae",), vae=own)["vae"]["identities"][0]  # type: ignore[index]
+    assert mine["model"] == pytest.approx(ref["model"], nan_ok=True)
+    with pytest.raises(ValueError, match="only the vae chain"):
+        fidelity_bounds(num_identities=1, seconds=0.64, vae=own)
+    with pytest.raises(ValueError, match="one contact sheet shows one chain"):
+        fidelity_bounds(num_identities=1, seconds=0.64, sheet=tmp_path / "s.png")
 
     wide, start = build_vae(None, (32, 64, 128), False, 0)
     assert start.endswith("(decoder)") and wide.decoder.conv_in.conv.out_channels == 128
     enc = {k: v.clone() for k, v in wide.state_dict().items() if k.startswith("encoder.")}
     assert all(torch.equal(v, shipped[k]) for k, v in enc.items())
     pool = frame_pool(0, 1, 4, seed=1)
-    frames, details, refs = pool
+    frames, details = pool
     assert frames.shape == (4, 3, 256, 256) and frames.dtype == torch.uint8 and details.shape == (4, 1, 256, 256)
-    assert torch.equal(refs[0], to_unit(AvatarRenderer(IDENTITY_SPLITS["heldout"][0]).reference()))
 
     def pool_loss() -> float:
         with torch.no_grad():
