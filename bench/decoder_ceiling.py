@@ -23,7 +23,16 @@ instead), else from the seeded init. Its training is ``train_vae.train_decoder``
 detail-weighted L1 + edges, causal taps on past frames kept at zero). ``--train-encoder`` fits the
 whole autoencoder instead (``train_vae``'s loss, the latent sampled), the ceiling of latent and
 decoder together; ``--latent-channels`` gives it another latent width (the layers that read or
-write latents start from the seeded init, the rest from the checkpoint). Diagnostic only: nothing
+write latents start from the seeded init, the rest from the checkpoint). ``--reference-window R``
+(and ``--reference-warp``) fits a decoder that reads the reference (``VAEConfig.ref_window_radius``,
+``ref_warp``; docs/models.md), each frame its identity's; ``--fit-split train --fit-first-identity K
+--fit-identities N`` draws the training frames from training faces, as a shipped decoder is trained,
+so the scored faces are unseen:
+
+    python -m bench.decoder_ceiling --steps 8000 --minutes 60 --threads 1 --fit-split train \
+        --fit-first-identity 0 --fit-identities 480 --per-identity 4 --reference-window 3 --reference-warp
+
+Diagnostic only: nothing
 is written into a checkpoint (``--save`` keeps the fitted autoencoder to score again, ``--load``).
 Figures: docs/quality.md "A decoder fit to the scored faces".
 """
@@ -37,6 +46,7 @@ import logging
 import time
 from collections import deque
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -51,31 +61,46 @@ from models.vae import CausalVAE
 log = logging.getLogger(__name__)
 
 
-def frame_pool(first: int, num_identities: int, per_identity: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+class Pool(NamedTuple):
+    """Training frames: uint8 ``frames (N, 3, S, S)``, their detail coverage ``details (N, 1, S, S)``, the
+    identities' references ``references (I, 3, S, S)`` uint8 and each frame's identity ``owner (N,)``."""
+
+    frames: torch.Tensor
+    details: torch.Tensor
+    references: torch.Tensor
+    owner: torch.Tensor
+
+
+def frame_pool(first: int, num_identities: int, per_identity: int, seed: int, split: str = "heldout") -> Pool:
     """``per_identity`` random frames (pose, blink, mouth drawn as ``FrameSampler`` draws them) of each
-    held-out identity ``first ..``: uint8 ``(N, 3, S, S)`` and their detail coverage ``(N, 1, S, S)``."""
+    identity ``first ..`` of ``split`` (``heldout``: the benchmark's faces; ``train``: the training faces)."""
     gen = torch.Generator().manual_seed(seed)
-    lo = IDENTITY_SPLITS["heldout"][0]
-    frames, details = [], []
-    for k in range(first, first + num_identities):
+    lo = IDENTITY_SPLITS[split][0]
+    frames, details, refs, owner = [], [], [], []
+    for i, k in enumerate(range(first, first + num_identities)):
         r = AvatarRenderer(lo + k)
+        refs.append(torch.from_numpy(np.array(r.reference())).permute(2, 0, 1))
         for _ in range(per_identity):
             u = torch.rand(4, generator=gen).tolist()
             img, truth = r.frame(int(torch.randint(100_000, (1,), generator=gen)), u[0] if u[1] < 0.7 else 0.0, u[2])
             frames.append(torch.from_numpy(np.array(img)).permute(2, 0, 1))
             details.append(torch.from_numpy(r.coverage(truth, DETAIL_REGIONS)[0])[None])
-    return torch.stack(frames), torch.stack(details)
+            owner.append(i)
+    return Pool(torch.stack(frames), torch.stack(details), torch.stack(refs), torch.tensor(owner))
 
 
 def build_vae(checkpoint: Path | None, dec_channels: tuple[int, ...] | None, from_scratch: bool, seed: int,
-              latent_channels: int | None = None) -> tuple[CausalVAE, str]:
-    """The checkpoint's autoencoder with a decoder of ``dec_channels`` and a latent of ``latent_channels``
-    (defaults: the preset's). Every tensor of the checkpoint's whose shape still fits is loaded — the
+              latent_channels: int | None = None, ref_window_radius: int = 0, ref_warp: bool = False
+              ) -> tuple[CausalVAE, str]:
+    """The checkpoint's autoencoder with a decoder of ``dec_channels``, a latent of ``latent_channels``
+    (defaults: the preset's) and, with ``ref_window_radius`` > 0, a decoder that reads the reference
+    (``VAEConfig.ref_window_radius``; its window starts as a no-op). Every tensor of the checkpoint's whose shape still fits is loaded — the
     decoder's only when ``from_scratch`` is off — the rest keep the seeded init (with another latent
     width: the encoder's output conv and the decoder's input conv). Returns it and what it started from."""
     mods, preset = load_modules(checkpoint)
     cfg = dataclasses.replace(preset.vae, dec_channels=dec_channels or preset.vae.dec_channels,
-                              latent_channels=latent_channels or preset.vae.latent_channels)
+                              latent_channels=latent_channels or preset.vae.latent_channels,
+                              ref_window_radius=ref_window_radius, ref_warp=ref_warp)
     torch.manual_seed(seed)
     vae = CausalVAE(cfg)
     own = vae.state_dict()
@@ -91,18 +116,25 @@ def build_vae(checkpoint: Path | None, dec_channels: tuple[int, ...] | None, fro
     return vae, start
 
 
-def fit(vae: CausalVAE, pool: tuple[torch.Tensor, torch.Tensor], minutes: float, *, batch: int = 2,
+def fit(vae: CausalVAE, pool: Pool, minutes: float, *, batch: int = 2,
         lr: float = 1.5e-3, detail_weight: float = 16.0, seed: int = 0, train_encoder: bool = False,
         kl_weight: float = 1e-5, max_steps: int | None = None) -> dict[str, float]:
-    """Fit the decoder on the pool (latents encoded once by the frozen encoder) for ``minutes``; with
-    ``train_encoder`` the whole autoencoder (``train_vae``'s loss: the latent sampled, ``kl_weight`` x KL)."""
-    frames, details = pool
+    """Fit the decoder on the pool (latents encoded once by the frozen encoder) for ``minutes`` or
+    ``max_steps``, whichever ends first (the cosine learning rate ends with it); with
+    ``train_encoder`` the whole autoencoder (``train_vae``'s loss: the latent sampled, ``kl_weight`` x KL).
+    A decoder that reads the reference reads each frame's identity's (``Pool.references``)."""
+    frames, details, references, owner = pool
     vae.eval()
     z_all = torch.zeros(0)
     if not train_encoder:
         with torch.inference_mode():
             z_all = torch.cat([vae.encode_moments((frames[i : i + 16].float() / 127.5 - 1)[:, :, None])[0]
                                for i in range(0, len(frames), 16)]).clone()
+    refs = references.float() / 127.5 - 1
+    ref_z = None
+    if not train_encoder:
+        with torch.inference_mode():
+            ref_z = vae.encode(refs[:, :, None]).clone()
     vae.requires_grad_(False)
     part = vae if train_encoder else vae.decoder
     part.requires_grad_(True).train()
@@ -114,13 +146,16 @@ def fit(vae: CausalVAE, pool: tuple[torch.Tensor, torch.Tensor], minutes: float,
         idx = torch.randint(len(frames), (batch,), generator=gen)
         x = (frames[idx].float() / 127.5 - 1)[:, :, None]
         weight = pixel_weight(details[idx][:, :, None], detail_weight)
+        who = owner[idx]
+        ref = vae.reference_features(refs[who], None if ref_z is None else ref_z[who])
+        done = budget.fraction if max_steps is None else max(budget.fraction, steps / max_steps)
         for g in opt.param_groups:
-            g["lr"] = cosine_lr(lr, budget.fraction, warmup=0.0)
+            g["lr"] = cosine_lr(lr, done, warmup=0.0)
         if train_encoder:
-            loss, _ = vae_loss(vae, x, gen, kl_weight, weight)
+            loss, _ = vae_loss(vae, x, gen, kl_weight, weight, reference=ref)
             vae_step(vae, opt, loss)
         else:
-            loss, _ = decoder_step(vae, opt, z_all[idx], x, weight)
+            loss, _ = decoder_step(vae, opt, z_all[idx], x, weight, reference=ref)
         steps += 1
         recent.append(loss.item())
         if steps % 500 == 0:
@@ -148,6 +183,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fit-first-identity", type=int, default=None,
                    help="draw the training frames from held-out identities K.. instead of the scored ones (the "
                         "control: the same training on faces the benchmark does not score)")
+    p.add_argument("--fit-split", choices=("heldout", "train"), default="heldout",
+                   help="the split --fit-first-identity counts in (train: the training faces, as a decoder that "
+                        "ships is trained; default heldout)")
+    p.add_argument("--fit-identities", type=int, default=None,
+                   help="how many identities the training frames come from (default --identities)")
+    p.add_argument("--reference-window", type=int, default=0, metavar="R",
+                   help="a decoder that reads the reference: VAEConfig.ref_window_radius R (its window starts as a "
+                        "no-op; default 0, none)")
+    p.add_argument("--reference-warp", action="store_true",
+                   help="with --reference-window: the decoder also blends towards the reference warped by where "
+                        "the window read (VAEConfig.ref_warp)")
     p.add_argument("--steps", type=int, default=None, help="stop after this many steps (or --minutes, the first)")
     p.add_argument("--detail-weight", type=float, default=16.0)
     p.add_argument("--seconds", type=float, default=4.0, help="scored clip length, as bench.reconstruction's")
@@ -165,6 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.latent_channels is not None and not a.train_encoder:
         p.error(f"--latent-channels {a.latent_channels}: a latent of another width needs an encoder trained for it: "
                 "add --train-encoder")
+    if a.fit_split == "train" and a.fit_first_identity is None:
+        p.error("--fit-split train: say which training faces with --fit-first-identity K (the scored ones are "
+                "held-out faces, which no training face is)")
+    if a.reference_warp and a.reference_window < 1:
+        p.error("--reference-warp follows where the reference window read: add --reference-window R (R >= 1)")
+    if a.reference_window < 0:
+        p.error(f"--reference-window {a.reference_window}: give a radius >= 1 in cells, or 0 for none")
     if a.dec_channels:
         try:
             dec = tuple(int(c) for c in a.dec_channels.split(","))
@@ -174,28 +227,34 @@ def main(argv: list[str] | None = None) -> int:
     trained: dict[str, object] = {}
     if a.load is not None:
         blob = torch.load(a.load, map_location="cpu", weights_only=False)
-        vae = build_vae(a.checkpoint, tuple(blob["dec_channels"]), True, a.seed, blob["latent_channels"])[0]
+        vae = build_vae(a.checkpoint, tuple(blob["dec_channels"]), True, a.seed, blob["latent_channels"],
+                        blob.get("ref_window_radius", 0), blob.get("ref_warp", False))[0]
         vae.load_state_dict(blob["vae"])
         trained, start = blob["fit"], str(a.load)
     else:
-        vae, start = build_vae(a.checkpoint, dec, a.from_scratch, a.seed, a.latent_channels)
+        vae, start = build_vae(a.checkpoint, dec, a.from_scratch, a.seed, a.latent_channels, a.reference_window,
+                               a.reference_warp)
     if a.load is None and a.minutes > 0:
         fit_first = a.first_identity if a.fit_first_identity is None else a.fit_first_identity
-        pool = frame_pool(fit_first, a.identities, a.per_identity, a.seed + 1)
-        log.info("decoder %s, latent %d, from %s: %d decoder parameters; pool of %d frames in %.0f s",
-                 vae.cfg.dec_channels, vae.cfg.latent_channels, start,
-                 sum(t.numel() for t in vae.decoder.parameters()), len(pool[0]), time.monotonic() - t0)
+        fit_n = a.fit_identities or a.identities
+        pool = frame_pool(fit_first, fit_n, a.per_identity, a.seed + 1, a.fit_split)
+        log.info("decoder %s, latent %d, reference window %d, from %s: %d decoder parameters; pool of %d frames "
+                 "in %.0f s", vae.cfg.dec_channels, vae.cfg.latent_channels, vae.cfg.ref_window_radius, start,
+                 sum(t.numel() for t in vae.decoder.parameters()), len(pool.frames), time.monotonic() - t0)
         trained = {**fit(vae, pool, a.minutes, detail_weight=a.detail_weight, seed=a.seed,
                          train_encoder=a.train_encoder, max_steps=a.steps),
                    "trained": "autoencoder" if a.train_encoder else "decoder",
-                   "fit_identities": [fit_first, fit_first + a.identities - 1]}
+                   "fit_split": a.fit_split, "fit_identities": [fit_first, fit_first + fit_n - 1]}
         if a.save is not None:
             torch.save({"vae": vae.state_dict(), "dec_channels": list(vae.cfg.dec_channels),
-                        "latent_channels": vae.cfg.latent_channels, "fit": trained}, a.save)
+                        "latent_channels": vae.cfg.latent_channels,
+                        "ref_window_radius": vae.cfg.ref_window_radius, "ref_warp": vae.cfg.ref_warp,
+                        "fit": trained}, a.save)
     res = fidelity_bounds(a.identities, a.seconds, a.seed, chains=("vae",), first=a.first_identity, vae=vae,
                           sheet=a.sheet)["vae"]
     agg = res["aggregate"]["all"]  # type: ignore[index]
-    out = {"dec_channels": list(vae.cfg.dec_channels), "latent_channels": vae.cfg.latent_channels, "start": start,
+    out = {"dec_channels": list(vae.cfg.dec_channels), "latent_channels": vae.cfg.latent_channels,
+           "ref_window_radius": vae.cfg.ref_window_radius, "ref_warp": vae.cfg.ref_warp, "start": start,
            **trained,
            "ratios": {k[len("ratio_"):]: v for k, v in agg.items() if k.startswith("ratio_")},
            "presence": {k: v for k, v in agg.items() if k.startswith("model_presence_")}}

@@ -115,7 +115,10 @@ def main() -> None:
     lr = randn(1, c, L, *p.lr_latent_hw)
     z = randn(1, c, L, *p.hr_latent_hw)
     with torch.inference_mode():
-        _, cache = vae.decode(z)
+        # what a decoder that reads the reference reads of it (None for a plain one), once per job as the
+        # pipeline computes it: not timed per emission
+        dec_ref = vae.reference_features(randn(1, 3, p.height, p.width).clamp(-1, 1))
+        _, cache = vae.decode(z, reference=dec_ref)
         sr_tokens = sr.embed_reference(ref)
 
     def run_sr() -> object:
@@ -124,7 +127,7 @@ def main() -> None:
 
     def run_decode() -> object:
         with torch.inference_mode():
-            return vae.decode(z, cache)
+            return vae.decode(z, cache, reference=dec_ref)
 
     timed = {
         "audio (N+I windows)": [

@@ -101,7 +101,7 @@ def save_checkpoint(
 # Key prefixes of parts a module gained after checkpoints of it were shipped. Each starts as a no-op
 # (its output layer is zero), so the trainers warm-start from, and assemble on top of, an older file
 # with ``allow_missing=GROWN_PARTS``; inference loads stay strict.
-GROWN_PARTS: tuple[str, ...] = ("sr.ref_window.", "sr.ref_window_more.")
+GROWN_PARTS: tuple[str, ...] = ("sr.ref_window.", "sr.ref_window_more.", "vae.decoder.ref_window.", "vae.decoder.ref_gate.")
 
 
 def load_checkpoint(

@@ -199,3 +199,71 @@ def reference_tokens(embed: nn.Linear, ref_BCHW: Tensor, p: int) -> Tensor:
         raise ValueError(f"ref_BCHW: size {H}x{W} not divisible by the reference patch size {p}")
     ref = embed(patchify(ref_BCHW, p))
     return ref + sincos_2d(grid_positions(H // p, W // p, ref.device), ref.shape[-1]).to(ref.dtype)
+
+
+class ReferenceWindowAttention(nn.Module):
+    """Each cell of a frame's map attends to the reference map's cells within ``radius`` cells of its own
+    position (a ``(2r+1)^2`` window, cells outside the map masked), then two 3x3 convs map what it read,
+    beside the frame's own map, to a residual on that map. The SR runs it on hr latents
+    (``SRConfig.ref_window_radius``), the VAE decoder on its features at twice the latent resolution
+    (``VAEConfig.ref_window_radius``); ``ref_channels`` (default ``channels``) is the reference map's
+    width when it carries more than the frame's (the decoder's: its features plus the reference's pixels).
+
+    Why a window: the head moves little around the reference pose (tiny's generator: at most ~10 px,
+    under 2 latent cells), so the detail a cell needs is in the reference near the same place, and a
+    window keeps the cost linear in the number of cells (the 14b hr latent has 14 720). Queries and
+    keys are 3x3 convs, so a cell matches on its neighbourhood; a learned bias per head and window
+    offset lets attention prefer the aligned cell. The last conv starts at zero: a checkpoint trained
+    without this step loads into it (``load_checkpoint(allow_missing=GROWN_PARTS)``) and computes the same
+    thing.
+    """
+
+    HEAD_DIM = 16
+
+    def __init__(self, channels: int, dim: int, hidden: int, radius: int, ref_channels: int | None = None) -> None:
+        super().__init__()
+        if radius < 1 or dim % self.HEAD_DIM:
+            raise ValueError(f"ReferenceWindowAttention: radius={radius} must be >= 1 and dim={dim} a multiple "
+                             f"of {self.HEAD_DIM}")
+        self.radius, self.dim, self.num_heads = radius, dim, dim // self.HEAD_DIM
+        self.q = nn.Conv2d(channels, dim, 3, padding=1)
+        self.kv = nn.Conv2d(ref_channels or channels, 2 * dim, 3, padding=1)
+        self.pos_bias = nn.Parameter(torch.zeros(self.num_heads, (2 * radius + 1) ** 2))
+        self.out_in = nn.Conv2d(dim + channels, hidden, 3, padding=1)
+        self.out = nn.Conv2d(hidden, channels, 3, padding=1)
+        for t in self.out.parameters():
+            nn.init.zeros_(t)
+
+    def forward(self, z_NCHW: Tensor, ref_BCHW: Tensor) -> Tensor:
+        """Frames ``(B*T, C, H, W)`` (frames of reference b at rows ``b*T .. b*T+T-1``) -> the same frames
+        with the residual added."""
+        return self.forward_with_offset(z_NCHW, ref_BCHW)[0]
+
+    def forward_with_offset(self, z_NCHW: Tensor, ref_BCHW: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`forward`, and where each cell read the reference from: the attention's expected offset
+        ``(B*T, 2, H, W)`` (dy, dx) in cells, averaged over the heads (a soft-argmax: between cells where
+        the attention spreads over neighbours)."""
+        N, C, H, W = z_NCHW.shape
+        B, r = ref_BCHW.shape[0], self.radius
+        T, hd, heads = N // B, self.HEAD_DIM, self.num_heads
+        # keys and values of the reference, zero-padded by r: the window of cell (y, x) at offset
+        # (dy, dx) is the padded map's cell (y + dy, x + dx). One slice per offset keeps the memory
+        # at one map (no (K, H*W) unfold) and is the fastest form here, forward and backward.
+        # contiguous (NCHW): a channels-last caller's maps (the VAE decoder's) make every slice below strided
+        kv = F.pad(self.kv(ref_BCHW.to(z_NCHW.dtype)).contiguous(), (r, r, r, r)).view(B, 1, 2, heads, hd, H + 2 * r,
+                                                                                       W + 2 * r)
+        k_pad, v_pad = kv[:, :, 0], kv[:, :, 1]
+        inside = F.pad(torch.ones(H, W, dtype=torch.bool, device=z_NCHW.device), (r, r, r, r))
+        q = self.q(z_NCHW).contiguous().view(B, T, heads, hd, H, W) / math.sqrt(hd)
+        offsets = [(dy, dx) for dy in range(2 * r + 1) for dx in range(2 * r + 1)]
+        logits = torch.stack([(q * k_pad[..., dy:dy + H, dx:dx + W]).sum(dim=3) for dy, dx in offsets], dim=3)
+        logits = logits + self.pos_bias.to(logits.dtype)[:, :, None, None]  # (B, T, heads, K, H, W)
+        outside = ~torch.stack([inside[dy:dy + H, dx:dx + W] for dy, dx in offsets])  # (K, H, W)
+        attn = logits.masked_fill(outside, float("-inf")).softmax(dim=3)
+        read = attn[:, :, :, 0, None] * v_pad[..., :H, :W]
+        for i, (dy, dx) in enumerate(offsets[1:], 1):
+            read = read + attn[:, :, :, i, None] * v_pad[..., dy:dy + H, dx:dx + W]
+        read = read.reshape(N, self.dim, H, W)
+        shift = torch.tensor(offsets, dtype=attn.dtype, device=attn.device) - r  # (K, 2)
+        offset = torch.einsum("bthkyx,kc->btcyx", attn, shift).div(heads).reshape(N, 2, H, W)
+        return z_NCHW + self.out(F.gelu(self.out_in(torch.cat([read, z_NCHW], dim=1)))), offset

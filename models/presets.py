@@ -51,7 +51,7 @@ class SRConfig:
     num_heads: int
     ffn_dim: int
     patch_size: int  # spatial patch on the hr latent (also used for the reference tokens)
-    # Full-resolution reference attention after the transformer (``models.sr.ReferenceWindowAttention``):
+    # Full-resolution reference attention after the transformer (``models.layers.ReferenceWindowAttention``):
     # every hr latent cell attends to the reference's cells within +-ref_window_radius cells; 0 = none.
     ref_window_radius: int = 0
     ref_window_dim: int = 32  # query/key/value width of that attention (its heads are 16 wide)
@@ -89,6 +89,16 @@ class VAEConfig:
     temporal_kernel: int  # kernel of the causal temporal convs (cache keeps kernel-1 frames per layer)
     lowres_factor: int = 4  # hr latent -> A2V low-res latent (to_lowres); = ModelPreset.lowres_factor
     scaling: float = 1.0  # latents are multiplied by this after encode and divided before decode
+    # The decoder reads the reference (``models.layers.ReferenceWindowAttention``) at twice the latent
+    # resolution: every cell of a frame's features there attends to the reference's features and pixels
+    # within +-ref_window_radius cells (``CausalVAE.reference_features``); 0 = none (a per-frame decoder
+    # that never sees the reference).
+    ref_window_radius: int = 0
+    ref_window_dim: int = 32  # query/key/value width of that attention (its heads are 16 wide)
+    ref_window_hidden: int = 32  # width of the conv that turns what it read into a feature residual
+    # and copies the reference's pixels: each output pixel blends, by a gate the decoder predicts (starting
+    # at 0), towards the reference warped by where the window read (its attention's expected offset)
+    ref_warp: bool = False
 
 
 @dataclass(frozen=True)

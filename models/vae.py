@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from models.layers import ReferenceWindowAttention
 from models.presets import VAEConfig
 
 
@@ -184,28 +185,87 @@ class Decoder(nn.Module):
         # channels-last: oneDNN convolutions at 64..256 px run 2-4x faster without layout reorders
         self.up = _channels_last(nn.ModuleList(up))
         self.num_cache = 1 + len(self.causal)
+        # the reference window sits after the first up-sampling level's blocks (twice the latent resolution)
+        self.ref_at = 1 + (cfg.dec_blocks[-1] if cfg.dec_blocks else 0)
+        self.ref_unshuffle = cfg.factor // 2
+        self.image_channels = cfg.image_channels
+        self.ref_window: ReferenceWindowAttention | None = None
+        if cfg.ref_window_radius > 0:
+            if len(ch) < 2:
+                raise ValueError(f"VAEConfig.ref_window_radius={cfg.ref_window_radius}: the reference window runs at "
+                                 f"twice the latent resolution, which factor {cfg.factor} does not have: use factor >= 4 "
+                                 "or ref_window_radius=0")
+            self.ref_window = ReferenceWindowAttention(
+                ch[-2], cfg.ref_window_dim, cfg.ref_window_hidden, cfg.ref_window_radius,
+                ref_channels=ch[-2] + cfg.image_channels * self.ref_unshuffle**2)
+        self.ref_gate: nn.Conv2d | None = None
+        if cfg.ref_warp:
+            if self.ref_window is None:
+                raise ValueError("VAEConfig.ref_warp: the warp follows where the reference window read: set "
+                                 "ref_window_radius >= 1 too")
+            self.ref_gate = nn.Conv2d(ch[-2], 1, 3, padding=1)  # starts at zero: the plain decoder's output
+            for t in self.ref_gate.parameters():
+                nn.init.zeros_(t)
 
     @property
     def blocks(self) -> list[nn.Module]:
         return [self.conv_in, *self.causal, *self.up]
 
-    def forward(self, z_BTCHW: Tensor, cache: list[Tensor] | None) -> tuple[Tensor, list[Tensor]]:
-        if cache is not None and len(cache) != self.num_cache:
-            raise ValueError(
-                f"decoder cache has {len(cache)} entries, expected {self.num_cache}: pass the cache "
-                "returned by the previous decode() of the same stream (or None to start)"
-            )
-        old: list[Tensor | None] = list(cache) if cache is not None else [None] * self.num_cache
+    def _latent_level(self, z_BTCHW: Tensor, old: list[Tensor | None]) -> tuple[Tensor, list[Tensor]]:
         x, c0 = self.conv_in(z_BTCHW, old[0])
         new = [c0]
         for i, blk in enumerate(self.causal):
             x, c = blk(x, [old[1 + i]])
             new.extend(c)
         B, T, C, H, W = x.shape
-        y = x.reshape(B * T, C, H, W).contiguous(memory_format=torch.channels_last)
-        for blk in self.up:
+        return x.reshape(B * T, C, H, W).contiguous(memory_format=torch.channels_last), new
+
+    def reference_features(self, z_B1CHW: Tensor, rgb_B3HW: Tensor) -> Tensor:
+        """What the reference window reads: the reference latent decoded (as the first frame of a stream)
+        up to the window's level, beside the reference's pixels folded to that resolution."""
+        y = self._latent_level(z_B1CHW, [None] * self.num_cache)[0]
+        for blk in self.up[: self.ref_at]:
             y = blk(y)
+        return torch.cat([y, F.pixel_unshuffle(rgb_B3HW.to(y.dtype), self.ref_unshuffle)], dim=1)
+
+    def forward(self, z_BTCHW: Tensor, cache: list[Tensor] | None,
+                reference: Tensor | None = None) -> tuple[Tensor, list[Tensor]]:
+        if cache is not None and len(cache) != self.num_cache:
+            raise ValueError(
+                f"decoder cache has {len(cache)} entries, expected {self.num_cache}: pass the cache "
+                "returned by the previous decode() of the same stream (or None to start)"
+            )
+        if self.ref_window is not None and reference is None:
+            raise ValueError(
+                f"this decoder reads the reference (VAEConfig.ref_window_radius={self.ref_window.radius}): pass "
+                "reference=vae.reference_features(reference RGB), computed once per stream"
+            )
+        old: list[Tensor | None] = list(cache) if cache is not None else [None] * self.num_cache
+        B, T = z_BTCHW.shape[:2]
+        y, new = self._latent_level(z_BTCHW, old)
+        offset = gate = None
+        for i, blk in enumerate(self.up):
+            if i == self.ref_at and self.ref_window is not None:
+                y, offset = self.ref_window.forward_with_offset(y, reference)  # type: ignore[arg-type]
+                gate = None if self.ref_gate is None else self.ref_gate(y)
+            y = blk(y)
+        if gate is not None and offset is not None and reference is not None:
+            y = y + F.interpolate(gate, size=y.shape[-2:], mode="bilinear").clamp(0.0, 1.0) * (
+                self._warp(reference, offset, T) - y)
         return y.reshape(B, T, *y.shape[1:]), new
+
+    def _warp(self, reference: Tensor, offset_N2hw: Tensor, T: int) -> Tensor:
+        """The reference's pixels (the last channels of :meth:`reference_features`) warped to each frame:
+        output pixel p takes the reference at p + the window's offset there (in cells of the window's
+        level, bilinear between cells and between pixels)."""
+        p = self.ref_unshuffle
+        rgb = F.pixel_shuffle(reference[:, -self.image_channels * p * p:], p).repeat_interleave(T, dim=0)
+        N, _, H, W = rgb.shape
+        shift = F.interpolate(offset_N2hw * p, size=(H, W), mode="bilinear")  # (N, 2, H, W): dy, dx in pixels
+        ys = torch.arange(H, dtype=rgb.dtype, device=rgb.device)[:, None] + 0.5 + shift[:, 0]
+        xs = torch.arange(W, dtype=rgb.dtype, device=rgb.device)[None, :] + 0.5 + shift[:, 1]
+        grid = torch.stack([xs / W * 2 - 1, ys / H * 2 - 1], dim=-1)  # (N, H, W, 2): x, y in [-1, 1]
+        return F.grid_sample(rgb, grid, mode="bilinear", padding_mode="border", align_corners=False)
 
 
 class CausalVAE(nn.Module):
@@ -250,16 +310,29 @@ class CausalVAE(nn.Module):
         """RGB in [-1, 1] ``(B, 3, T, H, W)`` -> hr latents ``(B, latent, T, H/f, W/f)`` (the mean)."""
         return self.encode_moments(rgb_BCTHW)[0]
 
+    def reference_features(self, rgb_B3HW: Tensor, z_BC1hw: Tensor | None = None) -> Tensor | None:
+        """What a decoder that reads the reference (``cfg.ref_window_radius`` > 0) reads of it: RGB in
+        [-1, 1] ``(B, 3, H, W)`` -> ``(B, C, 2H/f, 2W/f)``, to pass as ``decode(..., reference=)``; it
+        depends on the reference alone, so compute it once per stream. ``z_BC1hw``: the reference's
+        latent when the caller has it (``encode(rgb[:, :, None])``). None for a decoder without."""
+        if self.decoder.ref_window is None:
+            return None
+        z = self.encode(rgb_B3HW[:, :, None]) if z_BC1hw is None else z_BC1hw
+        return self.decoder.reference_features((z / self.cfg.scaling).transpose(1, 2), rgb_B3HW)
+
     def decode(
-        self, z_BCThw: Tensor, cache: list[Tensor] | None = None, *, clamp: bool = True
+        self, z_BCThw: Tensor, cache: list[Tensor] | None = None, *, clamp: bool = True,
+        reference: Tensor | None = None,
     ) -> tuple[Tensor, list[Tensor]]:
         """Latents ``(B, latent, T, h, w)`` -> (RGB ``(B, 3, T, h*f, w*f)`` in [-1, 1], new cache).
 
         Pass ``cache=None`` for the first chunk of a stream and the returned cache for the next one.
-        ``clamp=False`` keeps the raw output (for training losses).
+        ``clamp=False`` keeps the raw output (for training losses). ``reference``:
+        :meth:`reference_features` of the stream's reference (one per batch row), required by a decoder
+        that reads it, ignored by one that does not.
         """
         z_BTChw = (z_BCThw / self.cfg.scaling).transpose(1, 2)
-        rgb_BTCHW, new_cache = self.decoder(z_BTChw, cache)
+        rgb_BTCHW, new_cache = self.decoder(z_BTChw, cache, reference)
         rgb = rgb_BTCHW.transpose(1, 2)
         return (rgb.clamp(-1.0, 1.0) if clamp else rgb), new_cache
 

@@ -34,10 +34,11 @@ class CausalDecodeStage(Stage):
     phase = Phase.EMISSION
     outputs = (FRAMES,)
     latents: ClassVar[Port[Tensor]]  # the emission's latents this family decodes
+    reads: ClassVar[tuple[Port[Any], ...]] = ()  # job values the family's decode also reads (``decode``'s values)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls.inputs = (cls.latents, ROLLING)
+        cls.inputs = (cls.latents, ROLLING, *cls.reads)
 
     def __init__(self, vae: Module, *, timings: Timings) -> None:
         self.vae = vae
@@ -47,13 +48,16 @@ class CausalDecodeStage(Stage):
         return [self.vae]
 
     @abstractmethod
-    def decode(self, vae: torch.nn.Module, z: Tensor, cache: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+    def decode(self, vae: torch.nn.Module, z: Tensor, cache: list[Tensor], values: Values
+               ) -> tuple[Tensor, list[Tensor]]:
         """RGB in [-1, 1] (``BCTHW``) of the emission's latents ``z`` and the decoder's cache after
-        them; ``cache`` is the one the previous emission left (empty before the first)."""
+        them; ``cache`` is the one the previous emission left (empty before the first); ``values``:
+        where the ports in ``reads`` are."""
 
     @torch.no_grad()
     def run(self, values: Values) -> None:
         state = values.get(ROLLING)
         with self.timings.model("vae.decode"):
-            rgb_BCTHW, state.decoder_cache = self.decode(self.vae.get(), values.get(self.latents), state.decoder_cache)
+            rgb_BCTHW, state.decoder_cache = self.decode(self.vae.get(), values.get(self.latents), state.decoder_cache,
+                                                         values)
         values.put(FRAMES, to_uint8_frames(rgb_BCTHW))

@@ -102,7 +102,12 @@ class FrameSampler:
 
 def heldout_frames(count: int, size: int = 256, seed: int = 12345) -> torch.Tensor:
     """A fixed set of held-out-identity frames ``(count, 3, 1, size, size)`` for PSNR."""
-    return FrameSampler("heldout", size).batch(torch.Generator().manual_seed(seed), count)
+    return heldout_frames_with_reference(count, size, seed)[0]
+
+
+def heldout_frames_with_reference(count: int, size: int = 256, seed: int = 12345) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`heldout_frames` and each frame's identity's neutral reference, both ``(count, 3, 1, size, size)``."""
+    return FrameSampler("heldout", size).batch_with_reference(torch.Generator().manual_seed(seed), count)
 
 
 def psnr(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -133,8 +133,9 @@ def reuse_vae(preset: ModelPreset, cache_dir: Path, checkpoint: Path) -> None:
     """Stage 1 from an earlier checkpoint: its VAE weights -> ``vae_final.pt``, its VAE metadata ->
     ``vae_reused.json`` (read by :func:`assemble_checkpoint`)."""
     vae = CausalVAE(preset.vae)
-    # strict: a VAE of another shape is an error here, not at assembly
-    meta = load_checkpoint({"vae": vae}, checkpoint, preset=preset.name)
+    # strict but for parts grown since (a decoder window starts as a no-op): a VAE of another shape is an
+    # error here, not at assembly
+    meta = load_checkpoint({"vae": vae}, checkpoint, preset=preset.name, allow_missing=GROWN_PARTS)
     if (cache_dir / "vae_state.pt").is_file():
         log.warning("%s: the VAE reused from %s replaces the one trained here", cache_dir, checkpoint)
     save_final_vae(cache_dir / "vae_final.pt", vae.state_dict(), None)

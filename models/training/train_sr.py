@@ -40,6 +40,7 @@ from models.training.common import (
 )
 from models.training.data import LatentClips
 from models.training.train_a2v import EMA, box_cover, change_weights, lowres
+from models.training.train_vae import plain_decoder
 from models.vae import CausalVAE
 
 log = logging.getLogger(__name__)
@@ -210,7 +211,8 @@ def train_sr(preset: ModelPreset, cache_dir: Path, state_path: Path, *, minutes:
                              "--pixel-weight 0")
         from models.training.train_all import final_vae  # train_all imports this module
 
-        pixel_vae = final_vae(preset, cache_dir.parent).to(device)
+        # the cache keeps no reference pixels for a decoder that reads them: its plain path judges the crops
+        pixel_vae = plain_decoder(final_vae(preset, cache_dir.parent).to(device))
     if feature_blur > 0.0 and (clips.detail is None or clips.mouth_box is None):
         raise ValueError(f"feature_blur={feature_blur}: the latent cache in {cache_dir} has no detail maps or mouth "
                          "boxes (written before they were kept); delete it and build it again (train_all --stage cache)")

@@ -15,6 +15,7 @@ part of the budget trains on full frames so group-norm statistics match inferenc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 from pathlib import Path
@@ -33,7 +34,13 @@ from models.training.common import (
     setup_logging,
     step_generator,
 )
-from models.training.data import DETAIL_REGIONS, FrameSampler, heldout_frames, psnr
+from models.training.data import (
+    DETAIL_REGIONS,
+    FrameSampler,
+    heldout_frames,
+    heldout_frames_with_reference,
+    psnr,
+)
 from models.vae import CausalConv3d, CausalVAE, pool_frames
 
 log = logging.getLogger(__name__)
@@ -84,8 +91,8 @@ SCALE_FACTORS = (2, 4)
 
 
 def vae_loss(vae: CausalVAE, x: torch.Tensor, gen: torch.Generator, kl_weight: float,
-             weight: torch.Tensor | None = None, scale_equivariance: float = 0.0
-             ) -> tuple[torch.Tensor, dict[str, float]]:
+             weight: torch.Tensor | None = None, scale_equivariance: float = 0.0, *,
+             reference: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Reconstruction (:func:`recon_loss`) + ``kl_weight`` x KL, plus with ``scale_equivariance`` > 0
     that weight x the reconstruction loss of the pooled frame from the decoded pooled latent
     (:meth:`~models.vae.CausalVAE.to_lowres`, and :func:`~models.vae.pool_frames` for the frame and
@@ -93,16 +100,20 @@ def vae_loss(vae: CausalVAE, x: torch.Tensor, gen: torch.Generator, kl_weight: f
     "Improving the Diffusability of Autoencoders", arXiv 2502.14831): the decoder must read a pooled
     latent as the pooled picture, which takes the high frequencies out of the latent that the picture
     does not have. Factor 2 is the A2V's own ``to_lowres``."""
+    if scale_equivariance > 0.0 and reference is not None:
+        raise ValueError("vae_loss: scale_equivariance > 0 decodes pooled latents, which the reference window's "
+                         "features (one resolution) cannot be read at: train a decoder that reads the reference "
+                         "with scale_equivariance=0")
     mean, logvar = vae.encode_moments(x)
     z = mean + torch.exp(0.5 * logvar) * torch.randn(mean.shape, generator=gen)
-    y, _ = vae.decode(z, clamp=False)
+    y, _ = vae.decode(z, clamp=False, reference=reference)
     rec, parts = recon_loss(y, x, weight)
     kl = 0.5 * (mean.pow(2) + logvar.exp() - 1.0 - logvar).mean()
     loss = rec + kl_weight * kl
     out = {**parts, "kl": kl.item()}
     if scale_equivariance > 0.0:
         f = SCALE_FACTORS[int(torch.randint(len(SCALE_FACTORS), (1,), generator=gen))]
-        y_down, _ = vae.decode(vae.to_lowres(z, f), clamp=False)  # refuses a latent f does not divide
+        y_down, _ = vae.decode(vae.to_lowres(z, f), clamp=False, reference=reference)  # refuses a latent f does not divide
         se, _ = recon_loss(y_down, pool_frames(x, f), None if weight is None else pool_frames(weight, f))
         loss = loss + scale_equivariance * se
         out["se"] = se.item()
@@ -110,15 +121,18 @@ def vae_loss(vae: CausalVAE, x: torch.Tensor, gen: torch.Generator, kl_weight: f
 
 
 @torch.no_grad()
-def heldout_psnr(vae: CausalVAE, frames: torch.Tensor, sr: nn.Module | None = None, batch: int = 4) -> float:
-    """PSNR of encode -> decode (or, with ``sr``, encode -> to_lowres -> SR -> decode, the reference
-    being the frame itself) on held-out frames."""
+def heldout_psnr(vae: CausalVAE, frames: torch.Tensor, sr: nn.Module | None = None, batch: int = 4,
+                 references: torch.Tensor | None = None) -> float:
+    """PSNR of encode -> decode (or, with ``sr``, encode -> to_lowres -> SR -> decode, the SR's reference
+    being the frame itself) on held-out frames. ``references``: each frame's identity's neutral
+    reference ``(N, 3, 1, S, S)``, for a decoder that reads it (never the frame itself: it would copy it)."""
     outs = []
     for i in range(0, frames.shape[0], batch):
         z = vae.encode(frames[i : i + batch])
+        ref = None if references is None else vae.reference_features(references[i : i + batch, :, 0])
         if sr is not None:
             z = sr(vae.to_lowres(z), z[:, :, 0])
-        y, _ = vae.decode(z)
+        y, _ = vae.decode(z, reference=ref)
         outs.append(y)
     return psnr(torch.cat(outs), frames)
 
@@ -142,6 +156,11 @@ def train_vae(preset: ModelPreset, state_path: Path, *, minutes: float, seed: in
                 raise ValueError(f"scale_equivariance={scale_equivariance}: {name} {px} is not a multiple of {side} "
                                  f"(the VAE factor {preset.vae_factor} x the pooling factors {SCALE_FACTORS}); "
                                  f"use a crop such as {side * max(1, px // side)}, or --scale-equivariance 0")
+    if preset.vae.ref_window_radius > 0:
+        raise ValueError(f"preset {preset.name!r}: its decoder reads the reference (VAEConfig.ref_window_radius="
+                         f"{preset.vae.ref_window_radius}), which train_vae's crops do not give it: train the "
+                         "autoencoder with ref_window_radius=0, then the decoder with train_decoder (train_all "
+                         "--stage decoder / chain), which starts the window as a no-op")
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -202,6 +221,19 @@ def finalize_vae(vae: CausalVAE, preset: ModelPreset, count: int = 32, seed: int
     return s
 
 
+def plain_decoder(vae: CausalVAE) -> CausalVAE:
+    """``vae`` itself, or, when its decoder reads the reference, a copy without the window and the warp
+    (the decoder's plain path, frozen): for losses that decode where no reference pixels are at hand
+    (``train_sr``'s pixel loss decodes crops of cached latents). A window that starts as a no-op makes it
+    the same decoder."""
+    if vae.decoder.ref_window is None:
+        return vae
+    plain = CausalVAE(dataclasses.replace(vae.cfg, ref_window_radius=0, ref_warp=False))
+    own = plain.state_dict()
+    plain.load_state_dict({k: v for k, v in vae.state_dict().items() if k in own})
+    return plain.to(next(vae.parameters()).device).eval().requires_grad_(False)
+
+
 def vae_step(vae: CausalVAE, opt: torch.optim.Optimizer, loss: torch.Tensor) -> None:
     """One optimiser step on ``loss`` over the parameters ``opt`` holds (the whole VAE, or the decoder
     alone): gradients clipped at norm 1, then the causal taps on past frames back to zero (AdamW moves
@@ -215,10 +247,12 @@ def vae_step(vae: CausalVAE, opt: torch.optim.Optimizer, loss: torch.Tensor) -> 
 
 
 def decoder_step(vae: CausalVAE, opt: torch.optim.Optimizer, z: torch.Tensor, x: torch.Tensor,
-                 weight: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+                 weight: torch.Tensor | None, *, reference: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, dict[str, float]]:
     """One step of the decoder alone (``opt`` over its parameters): decode latents ``z`` to frames ``x``
-    (:func:`recon_loss`, per-pixel ``weight``), then :func:`vae_step`. Returns the loss and its parts."""
-    y, _ = vae.decode(z, clamp=False)
+    (:func:`recon_loss`, per-pixel ``weight``; ``reference``: ``vae.reference_features`` of each row's
+    reference, for a decoder that reads it), then :func:`vae_step`. Returns the loss and its parts."""
+    y, _ = vae.decode(z, clamp=False, reference=reference)
     loss, parts = recon_loss(y, x, weight)
     vae_step(vae, opt, loss)
     return loss, parts
@@ -247,9 +281,11 @@ def train_decoder(preset: ModelPreset, vae: CausalVAE, state_path: Path, *, minu
     st = load_state(state_path, {"vae": vae}, opt)
     sampler = FrameSampler("train", preset.height)
     losses = LossLog(state_path.with_suffix(".jsonl"), "vae_decoder")
-    frames = heldout_frames(eval_frames, preset.height) if eval_frames else None
+    frames, frame_refs = heldout_frames_with_reference(eval_frames, preset.height) if eval_frames else (None, None)
+    reads = vae.decoder.ref_window is not None  # the decoder reads each frame's identity's reference
+    eval_refs = frame_refs if reads else None
     if frames is not None and "start_psnr_db" not in st.extra:
-        st.extra["start_psnr_db"] = heldout_psnr(vae.eval(), frames, sr)
+        st.extra["start_psnr_db"] = heldout_psnr(vae.eval(), frames, sr, references=eval_refs)
     budget = Budget(minutes, st.elapsed_s)  # training time: starts after the start-of-run scoring
     last_save = budget.elapsed_s
     vae.decoder.train()
@@ -260,13 +296,16 @@ def train_decoder(preset: ModelPreset, vae: CausalVAE, state_path: Path, *, minu
             g["lr"] = cosine_lr(lr, budget.fraction, warmup=0.0)
         with torch.no_grad():
             mean, logvar = vae.encode_moments(x)
+            ref_z = vae.encode(refs) if sr is not None or reads else None
             if sr is None:
                 z = mean + torch.exp(0.5 * logvar) * torch.randn(mean.shape, generator=gen)
             else:
                 lr_z = vae.to_lowres(mean)
                 sig = torch.rand(lr_z.shape[0], 1, 1, 1, 1, generator=gen) * sr_noise
-                z = sr(lr_z + sig * torch.randn(lr_z.shape, generator=gen), vae.encode(refs)[:, :, 0])
-        loss, parts = decoder_step(vae, opt, z, x, pixel_weight(detail, detail_weight))
+                z = sr(lr_z + sig * torch.randn(lr_z.shape, generator=gen), ref_z[:, :, 0])  # type: ignore[index]
+        # a decoder that reads the reference reads the identity's (its features: through the decoder, trained)
+        ref = vae.reference_features(refs[:, :, 0], ref_z) if reads else None
+        loss, parts = decoder_step(vae, opt, z, x, pixel_weight(detail, detail_weight), reference=ref)
         st.step += 1
         losses.add(loss=loss.item(), **parts)
         if st.step % log_every == 0:
@@ -279,7 +318,7 @@ def train_decoder(preset: ModelPreset, vae: CausalVAE, state_path: Path, *, minu
     st.elapsed_s = budget.elapsed_s
     st.extra["detail_weight"] = detail_weight
     if frames is not None:
-        st.extra["heldout_psnr_db"] = heldout_psnr(vae, frames, sr)
+        st.extra["heldout_psnr_db"] = heldout_psnr(vae, frames, sr, references=eval_refs)
         log.info("vae decoder: held-out PSNR %.2f -> %.2f dB after %d steps", st.extra["start_psnr_db"],
                  st.extra["heldout_psnr_db"], st.step)
     save_state(state_path, {"vae": vae}, opt, st)

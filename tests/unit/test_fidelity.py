@@ -316,8 +316,9 @@ def test_decoder_ceiling_fits_a_decoder_on_the_scored_faces_and_scores_it_as_the
     enc = {k: v.clone() for k, v in wide.state_dict().items() if k.startswith("encoder.")}
     assert all(torch.equal(v, shipped[k]) for k, v in enc.items())
     pool = frame_pool(0, 1, 4, seed=1)
-    frames, details = pool
+    frames, details, references, owner = pool
     assert frames.shape == (4, 3, 256, 256) and frames.dtype == torch.uint8 and details.shape == (4, 1, 256, 256)
+    assert references.shape == (1, 3, 256, 256) and owner.tolist() == [0, 0, 0, 0]
 
     def pool_loss() -> float:
         with torch.no_grad():
@@ -351,6 +352,25 @@ def test_decoder_ceiling_fits_a_decoder_on_the_scored_faces_and_scores_it_as_the
     assert fitted["dec_channels"] == loaded["dec_channels"] == [16, 32, 48] and fitted["steps"] == loaded["steps"] == 3
     assert fitted["fit_identities"] == [1, 1]  # the control: trained on a face the benchmark does not score
     assert loaded["ratios"] == fitted["ratios"]
+    # a decoder that reads the reference, fit on training faces: it starts as the checkpoint's decoder (its
+    # window a no-op), the fit moves the window, and --load scores the same figures
+    reading, start = build_vae(None, None, False, 0, ref_window_radius=1)
+    assert start.endswith("seeded init for 9 of 81 tensors (decoder)")
+    two = frame_pool(0, 2, 2, seed=1, split="train")
+    assert two.owner.tolist() == [0, 0, 1, 1] and not torch.equal(two.references[0], two.references[1])
+    window = {k: v.clone() for k, v in reading.decoder.ref_window.state_dict().items()}  # type: ignore[union-attr]
+    assert fit(reading, two, minutes=5, max_steps=3)["steps"] == 3
+    assert not torch.equal(reading.decoder.ref_window.out.weight, window["out.weight"])  # type: ignore[union-attr]
+    assert main([*short, "--reference-window", "1", "--steps", "2", "--per-identity", "2", "--fit-split", "train",
+                 "--fit-first-identity", "0", "--fit-identities", "2", "--save", str(tmp_path / "r.pt"),
+                 "--out", str(tmp_path / "rfit.json")]) == 0
+    assert main([*short, "--load", str(tmp_path / "r.pt"), "--out", str(tmp_path / "rload.json")]) == 0
+    rfit, rload = (json.loads((tmp_path / f).read_text()) for f in ("rfit.json", "rload.json"))
+    assert rfit["ref_window_radius"] == rload["ref_window_radius"] == 1 and rload["ratios"] == rfit["ratios"]
+    assert rfit["fit_split"] == "train" and rfit["fit_identities"] == [0, 1]
+    with pytest.raises(SystemExit):
+        main(["--fit-split", "train"])
+    assert "--fit-split train: say which training faces with --fit-first-identity K" in capsys.readouterr().err
 
 
 @needs_espeak

@@ -16,10 +16,10 @@ from torch import Tensor
 from models.audio import AudioEncoder
 from models.checkpoint import GROWN_PARTS, CheckpointError, build_modules, load_checkpoint, save_checkpoint
 from models.dit import A2VDiT
-from models.layers import count_parameters
+from models.layers import ReferenceWindowAttention, count_parameters
 from models.presets import PRESETS, ModelPreset, get_preset
 from models.sampler import FlowMatchEulerSampler
-from models.sr import ReferenceWindowAttention, SRDiT
+from models.sr import SRDiT
 from models.text import TextEncoder
 
 
@@ -184,6 +184,12 @@ def test_sr_reference_window_reads_the_reference_near_each_cell(preset: ModelPre
         moved = (win(z, ref2) - out).abs().amax(dim=(0, 1))  # (H, W)
     assert float(moved[:6, :6].max()) > 1e-3
     assert float(moved[6:].max()) == 0.0  # rows 6.. are more than 5 cells from (0, 0)
+    # a reference map wider than the frames' (the VAE decoder's: its features and the reference's pixels)
+    wide = ReferenceWindowAttention(C, 32, 16, radius=1, ref_channels=C + 5).eval()
+    ref_wide = torch.randn(2, C + 5, 7, 6)
+    with torch.no_grad():
+        torch.nn.init.normal_(wide.out.weight, std=0.1)
+        torch.testing.assert_close(wide(z, ref_wide), _window_attention_by_hand(wide, z, ref_wide), atol=1e-5, rtol=0)
 
 
 def test_sr_more_reference_window_steps_grow_from_a_one_step_checkpoint(tmp_path: Path, preset: ModelPreset) -> None:

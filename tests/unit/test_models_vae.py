@@ -80,3 +80,101 @@ def test_encode_shapes_and_lowres(vae: CausalVAE) -> None:
     torch.testing.assert_close(lr[..., 0, 0], z[..., :f, :f].mean(dim=(-1, -2)))
     with pytest.raises(ValueError, match="divisible"):
         vae.encode(torch.zeros(1, 3, 1, 100, 100))
+
+
+@pytest.fixture(scope="module")
+def reading() -> CausalVAE:
+    """A decoder that reads the reference (``ref_window_radius`` 2), its window trained-looking."""
+    import dataclasses
+
+    torch.manual_seed(0)
+    vae = CausalVAE(dataclasses.replace(get_preset("tiny").vae, ref_window_radius=2)).eval()
+    with torch.no_grad():
+        torch.nn.init.normal_(vae.decoder.ref_window.out.weight, std=0.05)  # type: ignore[union-attr]
+    return vae
+
+
+def test_a_decoder_that_reads_the_reference_starts_as_the_plain_one(vae: CausalVAE) -> None:
+    """Its window starts as a no-op: the plain decoder's weights load into it (the window's keys missing)
+    and it decodes exactly what the plain one does; a plain decoder ignores a reference passed to it."""
+    import dataclasses
+
+    grown = CausalVAE(dataclasses.replace(vae.cfg, ref_window_radius=2)).eval()
+    missing = grown.load_state_dict(vae.state_dict(), strict=False).missing_keys
+    assert missing and all(k.startswith("decoder.ref_window.") for k in missing)
+    torch.manual_seed(3)
+    z, ref = torch.randn(2, vae.cfg.latent_channels, 3, 8, 8), torch.rand(2, 3, 64, 64) * 2 - 1
+    with torch.no_grad():
+        feats = grown.reference_features(ref)
+        assert feats is not None and feats.shape == (2, vae.cfg.dec_channels[-2] + 3 * 4 * 4, 16, 16)
+        assert torch.equal(grown.decode(z, reference=feats)[0], vae.decode(z)[0])
+        assert torch.equal(vae.decode(z, reference=feats)[0], vae.decode(z)[0])
+        assert vae.reference_features(ref) is None
+
+
+def test_a_decoder_that_reads_the_reference_needs_it_reads_its_own_and_streams(reading: CausalVAE) -> None:
+    torch.manual_seed(4)
+    c = reading.cfg.latent_channels
+    z, refs = torch.randn(2, c, 5, 8, 8), torch.rand(2, 3, 64, 64) * 2 - 1
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"reads the reference \(VAEConfig.ref_window_radius=2\): pass reference="):
+            reading.decode(z)
+        feats = reading.reference_features(refs)
+        assert feats is not None
+        # the latent the caller already has gives the same features
+        assert torch.equal(reading.reference_features(refs, reading.encode(refs[:, :, None])), feats)
+        both, _ = reading.decode(z, reference=feats)
+        # each batch row reads its own reference; another reference changes the frames
+        for b in range(2):
+            torch.testing.assert_close(reading.decode(z[b : b + 1], reference=feats[b : b + 1])[0], both[b : b + 1],
+                                       atol=1e-5, rtol=0)
+        swapped, _ = reading.decode(z, reference=feats.flip(0))
+        assert (swapped - both).abs().max() > 1e-3
+        # chunked == whole, the reference passed with every chunk
+        outs, cache = [], None
+        for s, e in ((0, 1), (1, 3), (3, 5)):
+            out, cache = reading.decode(z[:, :, s:e], cache, reference=feats)
+            outs.append(out)
+    torch.testing.assert_close(torch.cat(outs, dim=2), both, atol=1e-5, rtol=0)
+
+
+def test_the_reference_window_needs_a_level_above_the_latent() -> None:
+    import dataclasses
+
+    cfg = dataclasses.replace(get_preset("tiny").vae, factor=2, enc_channels=(32,), dec_channels=(16,), dec_blocks=(),
+                              ref_window_radius=1)
+    with pytest.raises(ValueError, match="ref_window_radius=1: the reference window runs at twice the latent"):
+        CausalVAE(cfg)
+
+
+def test_the_reference_warp_copies_the_reference_from_where_the_window_read() -> None:
+    """``ref_warp``: each output pixel blends, by the decoder's gate, towards the reference's pixels taken
+    from where the window's attention read (its expected offset, in cells of twice the latent resolution).
+    The gate starts at zero (the decoder's own output); fully open with the attention held on one offset
+    the output is the reference moved by that many cells."""
+    import dataclasses
+
+    base = get_preset("tiny").vae
+    torch.manual_seed(6)
+    vae = CausalVAE(dataclasses.replace(base, ref_window_radius=1, ref_warp=True)).eval()
+    plain = CausalVAE(dataclasses.replace(base, ref_window_radius=1)).eval()
+    plain.load_state_dict(vae.state_dict(), strict=False)
+    z, ref = torch.randn(1, base.latent_channels, 2, 8, 8), torch.rand(1, 3, 64, 64) * 2 - 1
+    cell = base.factor // 2
+    with torch.no_grad():
+        feats = vae.reference_features(ref)
+        assert torch.equal(vae.decode(z, reference=feats)[0], plain.decode(z, reference=feats)[0])
+        win, gate = vae.decoder.ref_window, vae.decoder.ref_gate
+        assert win is not None and gate is not None
+        win.pos_bias.zero_()
+        win.pos_bias[:, 7] = 1e4  # offset index 7 of the 3x3 window: one cell down (dy = +1, dx = 0)
+        _, offset = win.forward_with_offset(torch.randn(2, base.dec_channels[-2], 16, 16), feats)
+        assert offset.shape == (2, 2, 16, 16)
+        torch.testing.assert_close(offset[:, :, :15], torch.tensor([1.0, 0.0]).view(1, 2, 1, 1).expand(2, 2, 15, 16))
+        gate.bias.fill_(2.0)  # fully open (the blend is clamped to [0, 1])
+        out, _ = vae.decode(z, reference=feats, clamp=False)
+    # rows above the last cell row take the reference one cell (cell pixels) lower
+    torch.testing.assert_close(out[0, :, :, : -2 * cell], ref[:, :, None, cell : -cell].expand(1, 3, 2, -1, -1)[0],
+                               atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="ref_warp: the warp follows where the reference window read"):
+        CausalVAE(dataclasses.replace(base, ref_warp=True))

@@ -377,3 +377,47 @@ def test_batched_steps_equal_the_sequential_loop(speech) -> None:  # type: ignor
     rest, resumed = _frames(request, resume_state=state)
     assert np.array_equal(rest, batched[b_sink.fragments[2].first_frame:])
     assert [f.data for f in resumed.fragments] == [f.data for f in b_sink.fragments[2:]]
+
+
+def test_a_decoder_that_reads_the_reference_gets_it_once_per_job(speech) -> None:  # type: ignore[no-untyped-def]
+    """A VAE whose decoder reads the reference (``VAEConfig.ref_window_radius``, ``ref_warp``): the context
+    stage computes its reference features once per job and the decode stage passes them every emission.
+    Streaming equals batch with it and a resumed render equals the uninterrupted one; its frames are not
+    the plain decoder's (the window and the warp's gate are open)."""
+    import dataclasses
+
+    from models.vae import CausalVAE
+
+    warm = _warm_tiny()
+    plain = warm.modules["vae"].get()
+    assert isinstance(plain, CausalVAE) and warm.modules["vae"].is_loaded
+    torch.manual_seed(9)
+    reading = CausalVAE(dataclasses.replace(plain.cfg, ref_window_radius=2, ref_warp=True)).eval()
+    reading.load_state_dict(plain.state_dict(), strict=False)
+    with torch.no_grad():
+        torch.nn.init.normal_(reading.decoder.ref_window.out.weight, std=0.02)  # type: ignore[union-attr]
+        reading.decoder.ref_gate.bias.fill_(0.3)  # type: ignore[union-attr]
+    loaded = {n: (reading if n == "vae" else m.get()) for n, m in warm.modules.items()}
+    runtime = FamilyRuntime(warm.family, warm.preset, warm.checkpoint, loaded=loaded)
+    calls: list[int] = []
+    original = CausalVAE.reference_features
+
+    def counted(self: CausalVAE, *args: object) -> object:
+        calls.append(1)
+        return original(self, *args)  # type: ignore[arg-type]
+
+    request = RenderRequest(image=DEMO_IMAGE, audio=speech(1.4), seed=5)
+    try:
+        CausalVAE.reference_features = counted  # type: ignore[method-assign]
+        streamed, sink = _frames(request, family=runtime)
+        assert len(calls) == 1  # once per job, not per emission
+        batched, _ = _frames(request, mode="batch", family=runtime)
+    finally:
+        CausalVAE.reference_features = original  # type: ignore[method-assign]
+    assert np.array_equal(streamed, batched)
+    state = sink.fragments[0].resume_state
+    assert state is not None
+    rest, _ = _frames(request, resume_state=state, family=runtime)
+    assert np.array_equal(rest, streamed[sink.fragments[1].first_frame:])
+    own, _ = _frames(request, family=warm)
+    assert own.shape == streamed.shape and np.abs(own.astype(int) - streamed.astype(int)).mean() > 1.0

@@ -18,14 +18,22 @@ from models.avatars.speech import SpeechSynth
 from models.checkpoint import CheckpointError, build_modules, load_checkpoint
 from models.presets import ModelPreset, get_preset
 from models.training.common import load_state, step_generator
-from models.training.data import DETAIL_REGIONS, FrameSampler, LatentClips, build_latent_cache
+from models.training.data import (
+    DETAIL_REGIONS,
+    FrameSampler,
+    LatentClips,
+    build_latent_cache,
+    heldout_frames_with_reference,
+)
 from models.training.train_a2v import A2VBatcher, lowres, train_a2v
 from models.training.train_all import assemble_checkpoint, chain_decoder, final_vae, save_final_vae
 from models.training.train_sr import blur_features, feature_crops, pixel_loss, sr_batch, sr_weights, train_sr
 from models.training.train_vae import (
     SCALE_FACTORS,
     finalize_vae,
+    heldout_psnr,
     pixel_weight,
+    plain_decoder,
     recon_loss,
     train_decoder,
     train_vae,
@@ -780,3 +788,39 @@ def test_heldout_loss_is_logged_recorded_and_is_the_shipped_weights(cache: Path,
                      "--cache-dir", str(run)]) == 0
     clips = LatentClips(run / "heldout_latents")
     assert clips.num_clips == 2 and bool((clips.identity >= 1_000_000).all()) and not (run / "latents").exists()
+
+
+def test_a_decoder_that_reads_the_reference_trains_on_each_frames_identity(tmp_path: Path) -> None:
+    """train_decoder on a preset whose decoder reads the reference (window and warp): it starts from a
+    plain decoder's weights (the window and gate no-ops, so the start's PSNR is the plain decoder's on the
+    same frames), passes each frame's identity's reference (never the frame), and the fit moves the window
+    and the gate. train_vae refuses such a preset (its crops cannot be given the reference), naming the
+    way that trains it."""
+    p = small_preset()
+    reads = dataclasses.replace(p, vae=dataclasses.replace(p.vae, ref_window_radius=1, ref_warp=True))
+    torch.manual_seed(0)
+    plain = CausalVAE(p.vae).eval()
+    vae = CausalVAE(reads.vae)
+    vae.load_state_dict(plain.state_dict(), strict=False)
+    frames, refs = heldout_frames_with_reference(2, 64)
+    assert not torch.equal(frames, refs)  # a pose of the identity, not its neutral reference
+    with torch.no_grad():
+        start = heldout_psnr(plain, frames)
+        assert heldout_psnr(vae.eval(), frames, references=refs) == start
+        with pytest.raises(ValueError, match="reads the reference"):
+            heldout_psnr(vae, frames)
+    gate = vae.decoder.ref_gate.weight.clone()  # type: ignore[union-attr]
+    d = train_decoder(reads, vae, tmp_path / "dec.pt", minutes=0.05, eval_frames=2)
+    assert d["steps"] >= 2 and d["start_psnr_db"] == pytest.approx(start) and 0 < d["heldout_psnr_db"] < 60
+    assert not torch.equal(vae.decoder.ref_gate.weight, gate)  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="decoder reads the reference.*train_decoder"):
+        train_vae(reads, tmp_path / "vae.pt", minutes=0.01)
+    # the plain path (train_sr's pixel loss: no reference pixels in the cache): the trained decoder's
+    # weights without the window and the gate, frozen
+    assert plain_decoder(plain) is plain
+    path, own = plain_decoder(vae), vae.state_dict()
+    assert path.decoder.ref_window is None and not any(t.requires_grad for t in path.parameters())
+    assert all(torch.equal(v, own[k]) for k, v in path.state_dict().items())
+    assert {k.split(".")[1] for k in set(own) - set(path.state_dict())} == {"ref_window", "ref_gate"}
+    with pytest.raises(ValueError, match="scale_equivariance > 0 decodes pooled latents"):
+        vae_loss(vae, frames, torch.Generator(), 1e-5, None, 0.25, reference=vae.reference_features(refs[:, :, 0]))

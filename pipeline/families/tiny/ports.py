@@ -36,6 +36,9 @@ AUDIO_FEATS_SILENT = Port("audio_feats_silent", torch.Tensor, C,
                           "features_BTD of silence over the step's window: audio guidance's unconditional input",
                           optional=True)
 NOISE = Port("noise", torch.Tensor, C, "initial noise_BCThw of the step's window")
+DECODER_REFERENCE = Port("decoder_reference", torch.Tensor, J,
+                         "what a decoder that reads the reference reads of it (CausalVAE.reference_features); "
+                         "None for one that does not", optional=True)
 
 # a2v stage (and STEP_LATENTS)
 A2V_CONTEXT = Port("a2v_context", tuple, J, "(reference + text tokens, mask) the DiT attends to; per job")
@@ -44,4 +47,4 @@ A2V_CONTEXT = Port("a2v_context", tuple, J, "(reference + text tokens, mask) the
 SR_REF_TOKENS = Port("sr_ref_tokens", torch.Tensor, J, "reference tokens of the SR DiT; per job")
 EMISSION_HR = Port("emission_hr", torch.Tensor, C, "hr latents_BCThw of the emission")
 
-# decode stage: FRAMES
+# decode stage: FRAMES (reads DECODER_REFERENCE)

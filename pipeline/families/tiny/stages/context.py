@@ -18,7 +18,7 @@ class ContextStage(Stage):
     name = "context"
     phase = Phase.STEP
     inputs = (P.REFERENCE_RGB, P.AUDIO, P.TEXT, P.SEED, P.OPTIONS, P.STEP)
-    outputs = (P.REF_LATENT, P.REF_LOWRES, P.TEXT_TOKENS, P.TEXT_MASK, P.AUDIO_GAIN, P.AUDIO_FEATS,
+    outputs = (P.REF_LATENT, P.REF_LOWRES, P.DECODER_REFERENCE, P.TEXT_TOKENS, P.TEXT_MASK, P.AUDIO_GAIN, P.AUDIO_FEATS,
                P.AUDIO_FEATS_SILENT, P.NOISE)
 
     def __init__(self, vae: Module, audio: Module, text: Module | None, *, fps: int, sample_rate: int,
@@ -39,6 +39,8 @@ class ContextStage(Stage):
         ref_BCTHW = rgb_HWC.permute(2, 0, 1)[None, :, None].float().div(127.5).sub(1.0)
         with self.timings.model("vae.encode"):
             ref_BCThw = vae.encode(ref_BCTHW)  # type: ignore[operator]
+            # what a decoder that reads the reference reads of it, once per job (None for one that does not)
+            values.put(P.DECODER_REFERENCE, vae.reference_features(ref_BCTHW[:, :, 0], ref_BCThw))  # type: ignore[operator]
         values.put(P.REF_LATENT, ref_BCThw[:, :, 0].contiguous())
         values.put(P.REF_LOWRES, vae.to_lowres(ref_BCThw).contiguous())  # type: ignore[operator]
         text = values.get_optional(P.TEXT)

@@ -17,6 +17,7 @@ from torch import Tensor
 from models.wan.vae import WanStreamingVAE, WanVAECache
 from pipeline.decode_stage import CausalDecodeStage
 from pipeline.families.wan import ports as P
+from pipeline.stage import Values
 
 _NONE, _REP, _TENSOR = 0, 1, 2
 
@@ -39,7 +40,8 @@ def cache_from_tensors(tensors: list[Tensor], vae: WanStreamingVAE) -> WanVAECac
 class WanDecodeStage(CausalDecodeStage):
     latents = P.EMISSION_LATENTS
 
-    def decode(self, vae: torch.nn.Module, z: Tensor, cache: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+    def decode(self, vae: torch.nn.Module, z: Tensor, cache: list[Tensor], values: Values
+               ) -> tuple[Tensor, list[Tensor]]:
         assert isinstance(vae, WanStreamingVAE)
         state = cache_from_tensors(cache, vae)
         rgb_BCTHW = vae.decode_chunk(z, state)
