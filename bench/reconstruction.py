@@ -29,6 +29,7 @@ from models.avatars.dataset import FPS
 from models.checkpoint import build_modules, load_checkpoint
 from models.presets import ModelPreset, get_preset
 from models.training.common import REPO_ROOT
+from models.training.train_vae import vae_from_state
 
 
 def load_modules(checkpoint: Path | None = None, preset: str = "tiny", vae_state: Path | None = None
@@ -41,7 +42,8 @@ def load_modules(checkpoint: Path | None = None, preset: str = "tiny", vae_state
     mods = build_modules(p)
     if vae_state is not None:
         blob = torch.load(vae_state, map_location="cpu", weights_only=False)
-        mods["vae"].load_state_dict(blob["modules"]["vae"] if "modules" in blob else blob["vae"])
+        # a plain decoder's training state (train_vae's) in a decoder that reads the reference: its window no-op
+        mods["vae"] = vae_from_state(p.vae, blob["modules"]["vae"] if "modules" in blob else blob["vae"])
     else:
         ckpt = checkpoint or Path(os.environ.get("LONGTAKE_EVAL_CHECKPOINT", "") or
                                   REPO_ROOT / "models" / "checkpoints" / f"{preset}.safetensors")

@@ -49,7 +49,13 @@ from models.training.common import (
 from models.training.data import build_latent_cache
 from models.training.train_a2v import train_a2v
 from models.training.train_sr import train_sr
-from models.training.train_vae import finalize_vae, train_decoder, train_vae
+from models.training.train_vae import (
+    finalize_vae,
+    train_decoder,
+    train_vae,
+    vae_from_state,
+    without_reference,
+)
 from models.vae import CausalVAE
 
 log = logging.getLogger(__name__)
@@ -76,7 +82,7 @@ def _final_vae_file(preset: ModelPreset, cache_dir: Path) -> tuple[dict[str, tor
     the fix is a new cache (the message says which files to delete)."""
     path, state_path = cache_dir / "vae_final.pt", cache_dir / "vae_state.pt"
     if not path.is_file():
-        vae = CausalVAE(preset.vae)
+        vae = CausalVAE(without_reference(preset.vae))  # train_vae trains a decoder that reads no reference
         blob = torch.load(state_path, map_location="cpu", weights_only=False)
         vae.load_state_dict(blob["modules"]["vae"])
         scales = finalize_vae(vae, preset)
@@ -98,10 +104,9 @@ def _final_vae_file(preset: ModelPreset, cache_dir: Path) -> tuple[dict[str, tor
 
 
 def final_vae(preset: ModelPreset, cache_dir: Path) -> CausalVAE:
-    """The trained, rescaled VAE the cache's latents are encoded with (:func:`_final_vae_file`)."""
-    vae = CausalVAE(preset.vae)
-    vae.load_state_dict(_final_vae_file(preset, cache_dir)[0])
-    return vae.eval().requires_grad_(False)
+    """The trained, rescaled VAE the cache's latents are encoded with (:func:`_final_vae_file`); a decoder
+    window and gate it lacks (a plain decoder's weights) start as no-ops (:func:`vae_from_state`)."""
+    return vae_from_state(preset.vae, _final_vae_file(preset, cache_dir)[0]).eval().requires_grad_(False)
 
 
 def chain_decoder(preset: ModelPreset, cache_dir: Path, minutes: float, seed: int, *, detail_weight: float = 0.0,
@@ -266,8 +271,7 @@ def export_vae(preset: ModelPreset, cache_dir: Path, out: Path, seed: int) -> di
         raise ValueError(f"{cache_dir / 'vae_final.pt'} is a VAE reused from a checkpoint (--stage reuse-vae), "
                          "not the one trained here: export from a cache dir without reuse-vae, or delete "
                          "vae_final.pt and the latent caches there")
-    vae = CausalVAE(preset.vae)
-    vae.load_state_dict(state_dict)
+    vae = vae_from_state(preset.vae, state_dict)
     meta = {**_provenance(preset, seed), **trained_vae_metadata(cache_dir)}
     save_checkpoint({"vae": vae}, out, metadata=meta)
     log.info("vae written: %s (%.1f MB) %s", out, out.stat().st_size / 1e6, json.dumps(meta))

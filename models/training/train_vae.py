@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from models.presets import ModelPreset, get_preset
+from models.checkpoint import GROWN_PARTS
+from models.presets import ModelPreset, VAEConfig, get_preset
 from models.training.common import (
     DEFAULT_CACHE,
     Budget,
@@ -156,15 +157,12 @@ def train_vae(preset: ModelPreset, state_path: Path, *, minutes: float, seed: in
                 raise ValueError(f"scale_equivariance={scale_equivariance}: {name} {px} is not a multiple of {side} "
                                  f"(the VAE factor {preset.vae_factor} x the pooling factors {SCALE_FACTORS}); "
                                  f"use a crop such as {side * max(1, px // side)}, or --scale-equivariance 0")
-    if preset.vae.ref_window_radius > 0:
-        raise ValueError(f"preset {preset.name!r}: its decoder reads the reference (VAEConfig.ref_window_radius="
-                         f"{preset.vae.ref_window_radius}), which train_vae's crops do not give it: train the "
-                         "autoencoder with ref_window_radius=0, then the decoder with train_decoder (train_all "
-                         "--stage decoder / chain), which starts the window as a no-op")
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    vae = CausalVAE(preset.vae)
+    # a decoder that reads the reference is trained plain here (crops cannot be given the reference); its
+    # window and gate grow on these weights as no-ops (vae_from_state) and train in train_decoder
+    vae = CausalVAE(without_reference(preset.vae))
     zero_past_taps(vae)
     opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
     st = load_state(state_path, {"vae": vae}, opt)
@@ -221,6 +219,25 @@ def finalize_vae(vae: CausalVAE, preset: ModelPreset, count: int = 32, seed: int
     return s
 
 
+def without_reference(cfg: VAEConfig) -> VAEConfig:
+    """``cfg`` with a decoder that does not read the reference (no window, no warp)."""
+    return dataclasses.replace(cfg, ref_window_radius=0, ref_warp=False)
+
+
+def vae_from_state(cfg: VAEConfig, state_dict: dict[str, torch.Tensor]) -> CausalVAE:
+    """``CausalVAE(cfg)`` holding ``state_dict``, which may lack a decoder window and gate (``GROWN_PARTS``:
+    the weights of a plain decoder, from ``train_vae`` or a plain checkpoint): they stay the no-ops they
+    start as. Anything else missing or unexpected is an error."""
+    vae = CausalVAE(cfg)
+    res = vae.load_state_dict(state_dict, strict=False)
+    grown = tuple(p[len("vae."):] for p in GROWN_PARTS if p.startswith("vae."))
+    bad = [k for k in res.missing_keys if not k.startswith(grown)] + list(res.unexpected_keys)
+    if bad:
+        raise ValueError(f"VAE state dict does not fit {cfg}: missing or unexpected {bad[:6]}"
+                         f"{' ...' if len(bad) > 6 else ''}; was it written for another preset?")
+    return vae
+
+
 def plain_decoder(vae: CausalVAE) -> CausalVAE:
     """``vae`` itself, or, when its decoder reads the reference, a copy without the window and the warp
     (the decoder's plain path, frozen): for losses that decode where no reference pixels are at hand
@@ -228,7 +245,7 @@ def plain_decoder(vae: CausalVAE) -> CausalVAE:
     the same decoder."""
     if vae.decoder.ref_window is None:
         return vae
-    plain = CausalVAE(dataclasses.replace(vae.cfg, ref_window_radius=0, ref_warp=False))
+    plain = CausalVAE(without_reference(vae.cfg))
     own = plain.state_dict()
     plain.load_state_dict({k: v for k, v in vae.state_dict().items() if k in own})
     return plain.to(next(vae.parameters()).device).eval().requires_grad_(False)

@@ -532,7 +532,9 @@ def test_modules_run_in_bfloat16(preset: ModelPreset) -> None:
             mask,
         )
         hr = m["sr"](torch.randn(1, c, T, *preset.lr_latent_hw, dtype=bf), ref)
-        rgb, cache = m["vae"].decode(torch.randn(1, c, 2, 4, 4, dtype=bf))
+        # a decoder that reads the reference (the tiny preset's, if it does) is given it
+        dec_ref = m["vae"].reference_features(torch.rand(1, 3, 32, 32, dtype=bf) * 2 - 1)
+        rgb, cache = m["vae"].decode(torch.randn(1, c, 2, 4, 4, dtype=bf), reference=dec_ref)
     for out in (feats, text, v, hr, rgb, *cache):
         assert out.dtype == bf and torch.isfinite(out.float()).all()
 

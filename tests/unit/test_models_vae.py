@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from models.presets import get_preset
+from models.presets import VAEConfig, get_preset
 from models.vae import CausalVAE
 
 SPLITS = [
@@ -17,11 +19,16 @@ SPLITS = [
 ]
 
 
+def plain_cfg() -> VAEConfig:
+    """The tiny preset's autoencoder with a decoder that does not read the reference."""
+    return dataclasses.replace(get_preset("tiny").vae, ref_window_radius=0, ref_warp=False)
+
+
 @pytest.fixture(scope="module")
 def vae() -> CausalVAE:
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    return CausalVAE(get_preset("tiny").vae).eval()
+    return CausalVAE(plain_cfg()).eval()
 
 
 @pytest.mark.parametrize("split", SPLITS, ids=lambda s: "-".join(map(str, s)))
@@ -85,10 +92,8 @@ def test_encode_shapes_and_lowres(vae: CausalVAE) -> None:
 @pytest.fixture(scope="module")
 def reading() -> CausalVAE:
     """A decoder that reads the reference (``ref_window_radius`` 2), its window trained-looking."""
-    import dataclasses
-
     torch.manual_seed(0)
-    vae = CausalVAE(dataclasses.replace(get_preset("tiny").vae, ref_window_radius=2)).eval()
+    vae = CausalVAE(dataclasses.replace(plain_cfg(), ref_window_radius=2)).eval()
     with torch.no_grad():
         torch.nn.init.normal_(vae.decoder.ref_window.out.weight, std=0.05)  # type: ignore[union-attr]
     return vae
@@ -97,8 +102,6 @@ def reading() -> CausalVAE:
 def test_a_decoder_that_reads_the_reference_starts_as_the_plain_one(vae: CausalVAE) -> None:
     """Its window starts as a no-op: the plain decoder's weights load into it (the window's keys missing)
     and it decodes exactly what the plain one does; a plain decoder ignores a reference passed to it."""
-    import dataclasses
-
     grown = CausalVAE(dataclasses.replace(vae.cfg, ref_window_radius=2)).eval()
     missing = grown.load_state_dict(vae.state_dict(), strict=False).missing_keys
     assert missing and all(k.startswith("decoder.ref_window.") for k in missing)
@@ -139,9 +142,7 @@ def test_a_decoder_that_reads_the_reference_needs_it_reads_its_own_and_streams(r
 
 
 def test_the_reference_window_needs_a_level_above_the_latent() -> None:
-    import dataclasses
-
-    cfg = dataclasses.replace(get_preset("tiny").vae, factor=2, enc_channels=(32,), dec_channels=(16,), dec_blocks=(),
+    cfg = dataclasses.replace(plain_cfg(), factor=2, enc_channels=(32,), dec_channels=(16,), dec_blocks=(),
                               ref_window_radius=1)
     with pytest.raises(ValueError, match="ref_window_radius=1: the reference window runs at twice the latent"):
         CausalVAE(cfg)
@@ -152,9 +153,7 @@ def test_the_reference_warp_copies_the_reference_from_where_the_window_read() ->
     from where the window's attention read (its expected offset, in cells of twice the latent resolution).
     The gate starts at zero (the decoder's own output); fully open with the attention held on one offset
     the output is the reference moved by that many cells."""
-    import dataclasses
-
-    base = get_preset("tiny").vae
+    base = plain_cfg()
     torch.manual_seed(6)
     vae = CausalVAE(dataclasses.replace(base, ref_window_radius=1, ref_warp=True)).eval()
     plain = CausalVAE(dataclasses.replace(base, ref_window_radius=1)).eval()

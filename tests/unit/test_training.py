@@ -37,6 +37,7 @@ from models.training.train_vae import (
     recon_loss,
     train_decoder,
     train_vae,
+    vae_from_state,
     vae_loss,
     zero_past_taps,
 )
@@ -49,7 +50,10 @@ def _sha12(path: Path) -> str:
 
 
 def small_preset() -> ModelPreset:
-    return dataclasses.replace(get_preset("tiny"), height=64, width=64)
+    """The tiny preset at 64 px, its decoder plain (a decoder that reads the reference: its own test)."""
+    tiny = get_preset("tiny")
+    return dataclasses.replace(tiny, height=64, width=64,
+                               vae=dataclasses.replace(tiny.vae, ref_window_radius=0, ref_warp=False))
 
 
 @pytest.fixture(autouse=True)
@@ -794,8 +798,7 @@ def test_a_decoder_that_reads_the_reference_trains_on_each_frames_identity(tmp_p
     """train_decoder on a preset whose decoder reads the reference (window and warp): it starts from a
     plain decoder's weights (the window and gate no-ops, so the start's PSNR is the plain decoder's on the
     same frames), passes each frame's identity's reference (never the frame), and the fit moves the window
-    and the gate. train_vae refuses such a preset (its crops cannot be given the reference), naming the
-    way that trains it."""
+    and the gate. train_vae trains such a preset's autoencoder plain, the window growing on it as a no-op."""
     p = small_preset()
     reads = dataclasses.replace(p, vae=dataclasses.replace(p.vae, ref_window_radius=1, ref_warp=True))
     torch.manual_seed(0)
@@ -813,8 +816,15 @@ def test_a_decoder_that_reads_the_reference_trains_on_each_frames_identity(tmp_p
     d = train_decoder(reads, vae, tmp_path / "dec.pt", minutes=0.05, eval_frames=2)
     assert d["steps"] >= 2 and d["start_psnr_db"] == pytest.approx(start) and 0 < d["heldout_psnr_db"] < 60
     assert not torch.equal(vae.decoder.ref_gate.weight, gate)  # type: ignore[union-attr]
-    with pytest.raises(ValueError, match="decoder reads the reference.*train_decoder"):
-        train_vae(reads, tmp_path / "vae.pt", minutes=0.01)
+    # train_vae trains such a preset's autoencoder plain (its crops cannot be given the reference); the
+    # window and gate grow on its weights as no-ops, and nothing else may be missing
+    train_vae(reads, tmp_path / "vae.pt", minutes=0.01, eval_frames=0)
+    trained = torch.load(tmp_path / "vae.pt", weights_only=False)["modules"]["vae"]
+    assert not any(".ref_" in k for k in trained)
+    grown = vae_from_state(reads.vae, trained)
+    assert torch.equal(grown.decoder.ref_gate.weight, torch.zeros_like(grown.decoder.ref_gate.weight))  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match=r"missing or unexpected \['decoder.conv_in.conv.weight'\]"):
+        vae_from_state(reads.vae, {k: v for k, v in trained.items() if k != "decoder.conv_in.conv.weight"})
     # the plain path (train_sr's pixel loss: no reference pixels in the cache): the trained decoder's
     # weights without the window and the gate, frozen
     assert plain_decoder(plain) is plain
