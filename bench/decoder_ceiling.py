@@ -24,8 +24,9 @@ detail-weighted L1 + edges, causal taps on past frames kept at zero). ``--train-
 whole autoencoder instead (``train_vae``'s loss, the latent sampled), the ceiling of latent and
 decoder together; ``--latent-channels`` gives it another latent width (the layers that read or
 write latents start from the seeded init, the rest from the checkpoint). ``--reference-window R``
-(and ``--reference-warp``) fits a decoder that reads the reference (``VAEConfig.ref_window_radius``,
-``ref_warp``; docs/models.md), each frame its identity's; ``--fit-split train --fit-first-identity K
+and ``--[no-]reference-warp`` (default: the preset's) give the decoder that reads the reference
+(``VAEConfig.ref_window_radius``, ``ref_warp``; docs/models.md), each frame its identity's
+(``--reference-window 0``: a plain decoder); ``--fit-split train --fit-first-identity K
 --fit-identities N`` draws the training frames from training faces, as a shipped decoder is trained,
 so the scored faces are unseen:
 
@@ -90,22 +91,25 @@ def frame_pool(first: int, num_identities: int, per_identity: int, seed: int, sp
 
 
 def build_vae(checkpoint: Path | None, dec_channels: tuple[int, ...] | None, from_scratch: bool, seed: int,
-              latent_channels: int | None = None, ref_window_radius: int = 0, ref_warp: bool = False
-              ) -> tuple[CausalVAE, str]:
+              latent_channels: int | None = None, ref_window_radius: int | None = None,
+              ref_warp: bool | None = None) -> tuple[CausalVAE, str]:
     """The checkpoint's autoencoder with a decoder of ``dec_channels``, a latent of ``latent_channels``
-    (defaults: the preset's) and, with ``ref_window_radius`` > 0, a decoder that reads the reference
-    (``VAEConfig.ref_window_radius``; its window starts as a no-op). Every tensor of the checkpoint's whose shape still fits is loaded — the
+    and a reference window of ``ref_window_radius`` (0: a plain decoder) with or without ``ref_warp``
+    (defaults: the preset's; the warp's is off without a window). A window or gate the checkpoint
+    lacks starts as a no-op. Every tensor of the checkpoint's whose shape still fits is loaded — the
     decoder's only when ``from_scratch`` is off — the rest keep the seeded init (with another latent
     width: the encoder's output conv and the decoder's input conv). Returns it and what it started from."""
     mods, preset = load_modules(checkpoint)
+    radius = preset.vae.ref_window_radius if ref_window_radius is None else ref_window_radius
     cfg = dataclasses.replace(preset.vae, dec_channels=dec_channels or preset.vae.dec_channels,
                               latent_channels=latent_channels or preset.vae.latent_channels,
-                              ref_window_radius=ref_window_radius, ref_warp=ref_warp)
+                              ref_window_radius=radius,
+                              ref_warp=(preset.vae.ref_warp and radius > 0) if ref_warp is None else ref_warp)
     torch.manual_seed(seed)
     vae = CausalVAE(cfg)
     own = vae.state_dict()
     keep = {k: v for k, v in mods["vae"].state_dict().items()
-            if own[k].shape == v.shape and not (from_scratch and k.startswith("decoder."))}
+            if k in own and own[k].shape == v.shape and not (from_scratch and k.startswith("decoder."))}
     vae.load_state_dict(keep, strict=False)
     with torch.no_grad():
         zero_past_taps(vae)  # the decoder is per-frame, as train_vae leaves it
@@ -188,12 +192,12 @@ def main(argv: list[str] | None = None) -> int:
                         "ships is trained; default heldout)")
     p.add_argument("--fit-identities", type=int, default=None,
                    help="how many identities the training frames come from (default --identities)")
-    p.add_argument("--reference-window", type=int, default=0, metavar="R",
-                   help="a decoder that reads the reference: VAEConfig.ref_window_radius R (its window starts as a "
-                        "no-op; default 0, none)")
-    p.add_argument("--reference-warp", action="store_true",
-                   help="with --reference-window: the decoder also blends towards the reference warped by where "
-                        "the window read (VAEConfig.ref_warp)")
+    p.add_argument("--reference-window", type=int, default=None, metavar="R",
+                   help="the decoder reads the reference within R cells (VAEConfig.ref_window_radius; a window the "
+                        "checkpoint lacks starts as a no-op); 0: a plain decoder (default: the preset's)")
+    p.add_argument("--reference-warp", action=argparse.BooleanOptionalAction, default=None,
+                   help="the decoder also blends towards the reference warped by where the window read "
+                        "(VAEConfig.ref_warp; default: the preset's when there is a window)")
     p.add_argument("--steps", type=int, default=None, help="stop after this many steps (or --minutes, the first)")
     p.add_argument("--detail-weight", type=float, default=16.0)
     p.add_argument("--seconds", type=float, default=4.0, help="scored clip length, as bench.reconstruction's")
@@ -214,9 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.fit_split == "train" and a.fit_first_identity is None:
         p.error("--fit-split train: say which training faces with --fit-first-identity K (the scored ones are "
                 "held-out faces, which no training face is)")
-    if a.reference_warp and a.reference_window < 1:
-        p.error("--reference-warp follows where the reference window read: add --reference-window R (R >= 1)")
-    if a.reference_window < 0:
+    if a.reference_warp and a.reference_window == 0:
+        p.error("--reference-warp follows where the reference window read: give --reference-window R (R >= 1)")
+    if a.reference_window is not None and a.reference_window < 0:
         p.error(f"--reference-window {a.reference_window}: give a radius >= 1 in cells, or 0 for none")
     if a.dec_channels:
         try:
