@@ -136,7 +136,7 @@ def fit(vae: CausalVAE, pool: Pool, minutes: float, *, batch: int = 2,
                                for i in range(0, len(frames), 16)]).clone()
     refs = references.float() / 127.5 - 1
     ref_z = None
-    if not train_encoder:
+    if not train_encoder and vae.decoder.ref_window is not None:  # a decoder that reads the reference
         with torch.inference_mode():
             ref_z = vae.encode(refs[:, :, None]).clone()
     vae.requires_grad_(False)

@@ -68,6 +68,7 @@ def reconstruction_report(seconds: float = 20.0, identity: int = 0, seed: int = 
     audio = normalize_loudness(heldout_speech(seconds, seed))
     gt = AvatarRenderer(IDENTITY_SPLITS["heldout"][0] + identity, motion_seed=seed + 17)
     ref = gt.reference()
+    ref_inputs = _reference(mods["vae"], to_unit(ref)[None])
     meters = {k: QualityMeter(ref, gt.reference_mouth_box(), gt.reference_face_box(), gt.reference_eyes_box())
               for k in ("gt", "vae", "sr")}
     errs: dict[str, list[float]] = {"vae": [], "sr": []}
@@ -76,7 +77,7 @@ def reconstruction_report(seconds: float = 20.0, identity: int = 0, seed: int = 
 
     def flush() -> None:
         x = to_unit(np.stack(batch)).transpose(0, 1)[None]  # (1, 3, T, H, W)
-        for k, (y, frames) in _chains(mods, x, to_unit(ref)[None]).items():
+        for k, (y, frames) in _chains(mods, x, ref_inputs).items():
             errs[k].append(psnr(y, x))
             for f in frames:
                 meters[k].add(f)
@@ -105,15 +106,20 @@ CHAIN_BATCH = 16  # frames encoded together (the causal VAE's chunk; its seams a
 CHAINS = ("vae", "sr")  # encode -> decode; encode -> to_lowres -> SR -> decode
 
 
-def _chains(mods: dict[str, torch.nn.Module], x: torch.Tensor, ref_rgb: torch.Tensor,
+def _reference(vae: torch.nn.Module, ref_rgb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What the chains read of the reference ``ref_rgb`` (1, 3, H, W) in [-1, 1], once per clip: its hr
+    latent (the SR's) and the decoder's ``reference_features`` (None for a decoder that does not read it)."""
+    return vae.encode(ref_rgb[:, :, None])[:, :, 0], vae.reference_features(ref_rgb)  # type: ignore[operator]
+
+
+def _chains(mods: dict[str, torch.nn.Module], x: torch.Tensor, ref: tuple[torch.Tensor, torch.Tensor | None],
             names: tuple[str, ...] = ("vae", "sr")) -> dict[str, tuple[torch.Tensor, list[np.ndarray]]]:
     """Frames ``x`` (1, 3, T, H, W) in [-1, 1] through encode -> decode ("vae") and/or encode ->
-    to_lowres -> SR -> decode ("sr"), the reference ``ref_rgb`` (1, 3, H, W) in [-1, 1] given to the SR
-    and to a decoder that reads it: each chain's output tensor and its uint8 frames."""
+    to_lowres -> SR -> decode ("sr"), ``ref`` (:func:`_reference`) given to the SR and the decoder: each
+    chain's output tensor and its uint8 frames."""
     vae = mods["vae"]
+    ref_z, ref_features = ref
     z = vae.encode(x)  # type: ignore[operator]
-    ref_features = vae.reference_features(ref_rgb)  # type: ignore[operator]
-    ref_z = vae.encode(ref_rgb[:, :, None])[:, :, 0] if "sr" in names else None  # type: ignore[operator]
     outs = {name: vae.decode(z if name == "vae" else mods["sr"](vae.to_lowres(z), ref_z), reference=ref_features)[0]  # type: ignore[operator]
             for name in names}
     return {k: (y, list(((y[0].permute(1, 2, 3, 0) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).numpy()))
@@ -145,13 +151,13 @@ def fidelity_bounds(num_identities: int = 20, seconds: float = 4.0, seed: int = 
 
     def chain_clip(name: str) -> Callable[[AvatarRenderer, np.ndarray], tuple[list[np.ndarray], list[int]]]:
         def clip(gt: AvatarRenderer, audio: np.ndarray) -> tuple[list[np.ndarray], list[int]]:
-            ref_rgb = to_unit(gt.reference())[None]
+            ref = _reference(mods["vae"], to_unit(gt.reference())[None])
             n = math.ceil(seconds * FPS)
             truth = [frame for frame, _ in gt.stream(audio, num_frames=n)]
             out: list[np.ndarray] = []
             for i in range(0, n, CHAIN_BATCH):
                 x = to_unit(np.stack(truth[i : i + CHAIN_BATCH])).transpose(0, 1)[None]
-                out += _chains(mods, x, ref_rgb, (name,))[name][1]
+                out += _chains(mods, x, ref, (name,))[name][1]
             return out, list(range(CHAIN_BATCH, n, CHAIN_BATCH))
 
         return clip

@@ -237,12 +237,22 @@ class ReferenceWindowAttention(nn.Module):
     def forward(self, z_NCHW: Tensor, ref_BCHW: Tensor) -> Tensor:
         """Frames ``(B*T, C, H, W)`` (frames of reference b at rows ``b*T .. b*T+T-1``) -> the same frames
         with the residual added."""
-        return self.forward_with_offset(z_NCHW, ref_BCHW)[0]
+        return self._attend(z_NCHW, ref_BCHW)[0]
 
     def forward_with_offset(self, z_NCHW: Tensor, ref_BCHW: Tensor) -> tuple[Tensor, Tensor]:
         """:meth:`forward`, and where each cell read the reference from: the attention's expected offset
         ``(B*T, 2, H, W)`` (dy, dx) in cells, averaged over the heads (a soft-argmax: between cells where
         the attention spreads over neighbours)."""
+        out, attn = self._attend(z_NCHW, ref_BCHW)
+        r = self.radius
+        side = torch.arange(-r, r + 1, dtype=attn.dtype, device=attn.device)
+        shift = torch.stack(torch.meshgrid(side, side, indexing="ij"), dim=-1).reshape(-1, 2)  # (K, 2), offsets' order
+        offset = torch.einsum("bthkyx,kc->btcyx", attn, shift).div(self.num_heads)
+        return out, offset.reshape(z_NCHW.shape[0], 2, *z_NCHW.shape[-2:])
+
+    def _attend(self, z_NCHW: Tensor, ref_BCHW: Tensor) -> tuple[Tensor, Tensor]:
+        """The frames with the residual added, and the attention ``(B, T, heads, K, H, W)`` over the
+        window's ``K`` offsets (row-major, dy then dx)."""
         N, C, H, W = z_NCHW.shape
         B, r = ref_BCHW.shape[0], self.radius
         T, hd, heads = N // B, self.HEAD_DIM, self.num_heads
@@ -264,6 +274,4 @@ class ReferenceWindowAttention(nn.Module):
         for i, (dy, dx) in enumerate(offsets[1:], 1):
             read = read + attn[:, :, :, i, None] * v_pad[..., dy:dy + H, dx:dx + W]
         read = read.reshape(N, self.dim, H, W)
-        shift = torch.tensor(offsets, dtype=attn.dtype, device=attn.device) - r  # (K, 2)
-        offset = torch.einsum("bthkyx,kc->btcyx", attn, shift).div(heads).reshape(N, 2, H, W)
-        return z_NCHW + self.out(F.gelu(self.out_in(torch.cat([read, z_NCHW], dim=1)))), offset
+        return z_NCHW + self.out(F.gelu(self.out_in(torch.cat([read, z_NCHW], dim=1)))), attn

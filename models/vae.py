@@ -243,15 +243,18 @@ class Decoder(nn.Module):
         old: list[Tensor | None] = list(cache) if cache is not None else [None] * self.num_cache
         B, T = z_BTCHW.shape[:2]
         y, new = self._latent_level(z_BTCHW, old)
-        offset = gate = None
+        blend: tuple[Tensor, Tensor] | None = None  # the warp's gate and the warped reference
         for i, blk in enumerate(self.up):
-            if i == self.ref_at and self.ref_window is not None:
-                y, offset = self.ref_window.forward_with_offset(y, reference)  # type: ignore[arg-type]
-                gate = None if self.ref_gate is None else self.ref_gate(y)
+            if i == self.ref_at and reference is not None and self.ref_window is not None:
+                if self.ref_gate is None:
+                    y = self.ref_window(y, reference)
+                else:
+                    y, offset = self.ref_window.forward_with_offset(y, reference)
+                    blend = self.ref_gate(y), self._warp(reference, offset, T)
             y = blk(y)
-        if gate is not None and offset is not None and reference is not None:
-            y = y + F.interpolate(gate, size=y.shape[-2:], mode="bilinear").clamp(0.0, 1.0) * (
-                self._warp(reference, offset, T) - y)
+        if blend is not None:
+            gate, warped = blend
+            y = y + F.interpolate(gate, size=y.shape[-2:], mode="bilinear").clamp(0.0, 1.0) * (warped - y)
         return y.reshape(B, T, *y.shape[1:]), new
 
     def _warp(self, reference: Tensor, offset_N2hw: Tensor, T: int) -> Tensor:

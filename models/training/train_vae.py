@@ -114,7 +114,7 @@ def vae_loss(vae: CausalVAE, x: torch.Tensor, gen: torch.Generator, kl_weight: f
     out = {**parts, "kl": kl.item()}
     if scale_equivariance > 0.0:
         f = SCALE_FACTORS[int(torch.randint(len(SCALE_FACTORS), (1,), generator=gen))]
-        y_down, _ = vae.decode(vae.to_lowres(z, f), clamp=False, reference=reference)  # refuses a latent f does not divide
+        y_down, _ = vae.decode(vae.to_lowres(z, f), clamp=False)  # refuses a latent f does not divide
         se, _ = recon_loss(y_down, pool_frames(x, f), None if weight is None else pool_frames(weight, f))
         loss = loss + scale_equivariance * se
         out["se"] = se.item()
