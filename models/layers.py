@@ -9,6 +9,7 @@ used.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -201,6 +202,13 @@ def reference_tokens(embed: nn.Linear, ref_BCHW: Tensor, p: int) -> Tensor:
     return ref + sincos_2d(grid_positions(H // p, W // p, ref.device), ref.shape[-1]).to(ref.dtype)
 
 
+class WindowKeys(NamedTuple):
+    """A reference map's keys and values per window cell (:meth:`ReferenceWindowAttention.read`)."""
+
+    k: Tensor  # (B, heads, H*W, head_dim, K): the K = (2r+1)^2 offsets' keys of each cell
+    v: Tensor  # (B, heads, H*W, K, head_dim)
+
+
 class ReferenceWindowAttention(nn.Module):
     """Each cell of a frame's map attends to the reference map's cells within ``radius`` cells of its own
     position (a ``(2r+1)^2`` window, cells outside the map masked), then two 3x3 convs map what it read,
@@ -234,31 +242,58 @@ class ReferenceWindowAttention(nn.Module):
         for t in self.out.parameters():
             nn.init.zeros_(t)
 
-    def forward(self, z_NCHW: Tensor, ref_BCHW: Tensor) -> Tensor:
-        """Frames ``(B*T, C, H, W)`` (frames of reference b at rows ``b*T .. b*T+T-1``) -> the same frames
-        with the residual added."""
-        return self._attend(z_NCHW, ref_BCHW)[0]
+    def read(self, ref_BCHW: Tensor, dtype: torch.dtype | None = None) -> WindowKeys:
+        """The reference map's keys and values gathered per cell: cell (y, x)'s window offset (dy, dx) is
+        the map's cell (y + dy, x + dx), zero outside it (masked). They depend on the reference alone: a
+        caller that runs the window on many frames of one reference (the decoder, per emission) computes
+        them once (``CausalVAE.reference_features``)."""
+        B, _, H, W = ref_BCHW.shape
+        side, hd = 2 * self.radius + 1, self.HEAD_DIM
+        kv = F.unfold(self.kv(ref_BCHW.to(dtype or ref_BCHW.dtype)), side, padding=self.radius)  # (B, 2*dim*K, HW)
+        kv = kv.view(B, 2, self.num_heads, hd, side * side, H * W)
+        return WindowKeys(kv[:, 0].permute(0, 1, 4, 2, 3).contiguous(), kv[:, 1].permute(0, 1, 4, 3, 2).contiguous())
 
-    def forward_with_offset(self, z_NCHW: Tensor, ref_BCHW: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, z_NCHW: Tensor, ref: Tensor | WindowKeys) -> Tensor:
+        """Frames ``(B*T, C, H, W)`` (frames of reference b at rows ``b*T .. b*T+T-1``) and the reference
+        map ``(B, ref_channels, H, W)`` or its :meth:`read` -> the same frames with the residual added.
+
+        Two forms of one computation (tested equal). Given the map, each window offset is one
+        elementwise product of the padded key map (memory: one map): the fastest when the map is read
+        for few frames, or with gradients (the SR; the decoder's training, one frame per reference:
+        2.4x faster there than gathering 49 keys per cell). Given the keys, each cell's attention is two
+        small matrix products: the fastest for many frames of one reference without gradients (the
+        decoder in a render: its window 3x faster a frame, keys gathered once per job)."""
+        return self._attend(z_NCHW, ref, False)[0]
+
+    def forward_with_offset(self, z_NCHW: Tensor, ref: Tensor | WindowKeys) -> tuple[Tensor, Tensor]:
         """:meth:`forward`, and where each cell read the reference from: the attention's expected offset
         ``(B*T, 2, H, W)`` (dy, dx) in cells, averaged over the heads (a soft-argmax: between cells where
         the attention spreads over neighbours)."""
-        out, attn = self._attend(z_NCHW, ref_BCHW)
-        r = self.radius
-        side = torch.arange(-r, r + 1, dtype=attn.dtype, device=attn.device)
-        shift = torch.stack(torch.meshgrid(side, side, indexing="ij"), dim=-1).reshape(-1, 2)  # (K, 2), offsets' order
-        offset = torch.einsum("bthkyx,kc->btcyx", attn, shift).div(self.num_heads)
-        return out, offset.reshape(z_NCHW.shape[0], 2, *z_NCHW.shape[-2:])
+        out, offset = self._attend(z_NCHW, ref, True)
+        assert offset is not None
+        return out, offset
 
-    def _attend(self, z_NCHW: Tensor, ref_BCHW: Tensor) -> tuple[Tensor, Tensor]:
-        """The frames with the residual added, and the attention ``(B, T, heads, K, H, W)`` over the
-        window's ``K`` offsets (row-major, dy then dx)."""
+    def _attend(self, z_NCHW: Tensor, ref: Tensor | WindowKeys, with_offset: bool) -> tuple[Tensor, Tensor | None]:
+        """The frames with the residual added, and the expected offset when asked."""
+        if isinstance(ref, Tensor):
+            read, offset = self._slide(z_NCHW, ref, with_offset)
+        else:
+            read, offset = self._gathered(z_NCHW, ref, with_offset)
+        return z_NCHW + self.out(F.gelu(self.out_in(torch.cat([read, z_NCHW], dim=1)))), offset
+
+    def _shifts(self, like: Tensor) -> Tensor:
+        """The window's ``K`` offsets ``(K, 2)`` (dy, dx), row-major: the order of its attention."""
+        side = torch.arange(-self.radius, self.radius + 1, dtype=like.dtype, device=like.device)
+        return torch.stack(torch.meshgrid(side, side, indexing="ij"), dim=-1).reshape(-1, 2)
+
+    def _slide(self, z_NCHW: Tensor, ref_BCHW: Tensor, with_offset: bool) -> tuple[Tensor, Tensor | None]:
+        """What each cell read ``(B*T, dim, H, W)``, one slice of the padded key and value maps per offset."""
         N, C, H, W = z_NCHW.shape
         B, r = ref_BCHW.shape[0], self.radius
         T, hd, heads = N // B, self.HEAD_DIM, self.num_heads
         # keys and values of the reference, zero-padded by r: the window of cell (y, x) at offset
         # (dy, dx) is the padded map's cell (y + dy, x + dx). One slice per offset keeps the memory
-        # at one map (no (K, H*W) unfold) and is the fastest form here, forward and backward.
+        # at one map (no (K, H*W) unfold).
         # contiguous (NCHW): a channels-last caller's maps (the VAE decoder's) make every slice below strided
         kv = F.pad(self.kv(ref_BCHW.to(z_NCHW.dtype)).contiguous(), (r, r, r, r)).view(B, 1, 2, heads, hd, H + 2 * r,
                                                                                        W + 2 * r)
@@ -273,5 +308,32 @@ class ReferenceWindowAttention(nn.Module):
         read = attn[:, :, :, 0, None] * v_pad[..., :H, :W]
         for i, (dy, dx) in enumerate(offsets[1:], 1):
             read = read + attn[:, :, :, i, None] * v_pad[..., dy:dy + H, dx:dx + W]
-        read = read.reshape(N, self.dim, H, W)
-        return z_NCHW + self.out(F.gelu(self.out_in(torch.cat([read, z_NCHW], dim=1)))), attn
+        offset = None
+        if with_offset:
+            offset = torch.einsum("bthkyx,kc->btcyx", attn, self._shifts(attn)).div(heads).reshape(N, 2, H, W)
+        return read.reshape(N, self.dim, H, W), offset
+
+    def _gathered(self, z_NCHW: Tensor, keys: WindowKeys, with_offset: bool) -> tuple[Tensor, Tensor | None]:
+        """What each cell read ``(B*T, dim, H, W)``, two small matrix products per cell over its gathered
+        keys and values (:meth:`read`)."""
+        N, C, H, W = z_NCHW.shape
+        B, heads, HW, hd, K = keys.k.shape
+        T = N // B
+        if HW != H * W or B * T != N:
+            raise ValueError(f"ReferenceWindowAttention: {N} frames of {H}x{W} cells against {B} reference(s) of "
+                             f"{HW} cells: pass one reference per T frames, at the frames' resolution")
+        # (T, hd) @ (hd, K) and (T, K) @ (K, hd), batched over heads and cells (the reference's T frames
+        # share its keys). The maps go in and out channels-last (N, H, W, C), so the regrouping moves
+        # whole heads, not single floats.
+        q = self.q(z_NCHW).permute(0, 2, 3, 1).reshape(B, T, HW, heads, hd).permute(0, 3, 2, 1, 4)  # (B, heads, HW, T, hd)
+        r = self.radius
+        inside = F.unfold(torch.ones(1, 1, H, W, dtype=q.dtype, device=q.device), 2 * r + 1, padding=r)[0] > 0
+        bias = self.pos_bias.to(q.dtype)[:, None, None, :].masked_fill(~inside.T[None, :, None, :], float("-inf"))
+        logits = torch.baddbmm(bias.expand(B, heads, HW, 1, K).reshape(-1, 1, K), q.reshape(-1, T, hd),
+                               keys.k.reshape(-1, hd, K), alpha=1 / math.sqrt(hd))
+        attn = logits.softmax(dim=-1).view(B, heads, HW, T, K)
+        read = (attn @ keys.v).permute(0, 3, 2, 1, 4).reshape(N, H, W, self.dim).permute(0, 3, 1, 2)
+        offset = None
+        if with_offset:
+            offset = (attn @ self._shifts(attn)).mean(dim=1).permute(0, 2, 3, 1).reshape(N, 2, H, W)  # (B, HW, T, 2) ->
+        return read, offset

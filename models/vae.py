@@ -17,12 +17,13 @@ the cache: the cache tensors are copies.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.layers import ReferenceWindowAttention
+from models.layers import ReferenceWindowAttention, WindowKeys
 from models.presets import VAEConfig
 
 
@@ -160,9 +161,23 @@ class Upsample(nn.Module):
         return self.conv(F.silu(self.expand(x), inplace=True))
 
 
+class DecoderReference(NamedTuple):
+    """What a decoder that reads the reference reads of it (``CausalVAE.reference_features``), one row
+    per stream: its window's source, the reference's features and pixels at the window's level (the map,
+    or the window's keys gathered from it), and the pixels its warp copies."""
+
+    source: Tensor | WindowKeys
+    rgb: Tensor  # (B, 3, H, W) in [-1, 1]
+
+
 class Decoder(nn.Module):
     """Streaming decoder. ``blocks[0]`` is the causal input conv, then the causal latent blocks, then the
     per-frame up-sampling path; ``num_cache`` causal layers each keep one cache tensor."""
+
+    # frames per pass of the per-frame path: 4 runs tiny's decoder 1.2-1.3x faster than a whole
+    # 16-frame emission at once on 2 CPU threads (plain or reading the reference; 8 is as fast, 1 and 2
+    # slower) and cuts its temporaries 4x
+    FRAMES_PER_PASS = 4
 
     def __init__(self, cfg: VAEConfig) -> None:
         super().__init__()
@@ -220,16 +235,22 @@ class Decoder(nn.Module):
         B, T, C, H, W = x.shape
         return x.reshape(B * T, C, H, W).contiguous(memory_format=torch.channels_last), new
 
-    def reference_features(self, z_B1CHW: Tensor, rgb_B3HW: Tensor) -> Tensor:
+    def reference_features(self, z_B1CHW: Tensor, rgb_B3HW: Tensor) -> DecoderReference:
         """What the reference window reads: the reference latent decoded (as the first frame of a stream)
-        up to the window's level, beside the reference's pixels folded to that resolution."""
+        up to the window's level, beside the reference's pixels folded to that resolution; and the pixels
+        the warp copies. Without gradients (a render: many frames of one reference) the window's keys
+        gathered from that map once; with them (training: one frame per reference) the map itself
+        (``ReferenceWindowAttention.forward`` says why)."""
+        assert self.ref_window is not None
         y = self._latent_level(z_B1CHW, [None] * self.num_cache)[0]
         for blk in self.up[: self.ref_at]:
             y = blk(y)
-        return torch.cat([y, F.pixel_unshuffle(rgb_B3HW.to(y.dtype), self.ref_unshuffle)], dim=1)
+        rgb = rgb_B3HW.to(y.dtype)
+        features = torch.cat([y, F.pixel_unshuffle(rgb, self.ref_unshuffle)], dim=1)
+        return DecoderReference(features if torch.is_grad_enabled() else self.ref_window.read(features), rgb)
 
     def forward(self, z_BTCHW: Tensor, cache: list[Tensor] | None,
-                reference: Tensor | None = None) -> tuple[Tensor, list[Tensor]]:
+                reference: DecoderReference | None = None) -> tuple[Tensor, list[Tensor]]:
         if cache is not None and len(cache) != self.num_cache:
             raise ValueError(
                 f"decoder cache has {len(cache)} entries, expected {self.num_cache}: pass the cache "
@@ -243,26 +264,34 @@ class Decoder(nn.Module):
         old: list[Tensor | None] = list(cache) if cache is not None else [None] * self.num_cache
         B, T = z_BTCHW.shape[:2]
         y, new = self._latent_level(z_BTCHW, old)
+        # the up-sampling path is per frame: run it a few frames at a time, so its temporaries (16
+        # channels at full resolution, the window's attention) follow FRAMES_PER_PASS, not the emission
+        y_BTCHW, g = y.view(B, T, *y.shape[1:]), self.FRAMES_PER_PASS
+        parts = [self._up(y_BTCHW[:, t:t + g].reshape(-1, *y.shape[1:]).contiguous(memory_format=torch.channels_last),
+                          reference, min(g, T - t)) for t in range(0, T, g)]
+        return torch.cat([part.view(B, -1, *part.shape[1:]) for part in parts], dim=1), new
+
+    def _up(self, y: Tensor, reference: DecoderReference | None, T: int) -> Tensor:
+        """The per-frame path, from the latent level's features ``(B*T, C, h, w)`` to RGB."""
         blend: tuple[Tensor, Tensor] | None = None  # the warp's gate and the warped reference
         for i, blk in enumerate(self.up):
             if i == self.ref_at and reference is not None and self.ref_window is not None:
                 if self.ref_gate is None:
-                    y = self.ref_window(y, reference)
+                    y = self.ref_window(y, reference.source)
                 else:
-                    y, offset = self.ref_window.forward_with_offset(y, reference)
-                    blend = self.ref_gate(y), self._warp(reference, offset, T)
+                    y, offset = self.ref_window.forward_with_offset(y, reference.source)
+                    blend = self.ref_gate(y), self._warp(reference.rgb, offset, T)
             y = blk(y)
         if blend is not None:
             gate, warped = blend
             y = y + F.interpolate(gate, size=y.shape[-2:], mode="bilinear").clamp(0.0, 1.0) * (warped - y)
-        return y.reshape(B, T, *y.shape[1:]), new
+        return y
 
-    def _warp(self, reference: Tensor, offset_N2hw: Tensor, T: int) -> Tensor:
-        """The reference's pixels (the last channels of :meth:`reference_features`) warped to each frame:
-        output pixel p takes the reference at p + the window's offset there (in cells of the window's
-        level, bilinear between cells and between pixels)."""
+    def _warp(self, rgb_B3HW: Tensor, offset_N2hw: Tensor, T: int) -> Tensor:
+        """The reference's pixels warped to each frame: output pixel p takes the reference at p + the
+        window's offset there (in cells of the window's level, bilinear between cells and between pixels)."""
         p = self.ref_unshuffle
-        rgb = F.pixel_shuffle(reference[:, -self.image_channels * p * p:], p).repeat_interleave(T, dim=0)
+        rgb = rgb_B3HW.repeat_interleave(T, dim=0)
         N, _, H, W = rgb.shape
         shift = F.interpolate(offset_N2hw * p, size=(H, W), mode="bilinear")  # (N, 2, H, W): dy, dx in pixels
         ys = torch.arange(H, dtype=rgb.dtype, device=rgb.device)[:, None] + 0.5 + shift[:, 0]
@@ -313,10 +342,10 @@ class CausalVAE(nn.Module):
         """RGB in [-1, 1] ``(B, 3, T, H, W)`` -> hr latents ``(B, latent, T, H/f, W/f)`` (the mean)."""
         return self.encode_moments(rgb_BCTHW)[0]
 
-    def reference_features(self, rgb_B3HW: Tensor, z_BC1hw: Tensor | None = None) -> Tensor | None:
-        """What a decoder that reads the reference (``cfg.ref_window_radius`` > 0) reads of it: RGB in
-        [-1, 1] ``(B, 3, H, W)`` -> ``(B, C, 2H/f, 2W/f)``, to pass as ``decode(..., reference=)``; it
-        depends on the reference alone, so compute it once per stream. ``z_BC1hw``: the reference's
+    def reference_features(self, rgb_B3HW: Tensor, z_BC1hw: Tensor | None = None) -> DecoderReference | None:
+        """What a decoder that reads the reference (``cfg.ref_window_radius`` > 0) reads of it, from RGB
+        in [-1, 1] ``(B, 3, H, W)``, to pass as ``decode(..., reference=)``; it depends on the reference
+        alone, so compute it once per stream (its window keys are the costly part). ``z_BC1hw``: the reference's
         latent when the caller has it (``encode(rgb[:, :, None])``). None for a decoder without."""
         if self.decoder.ref_window is None:
             return None
@@ -325,7 +354,7 @@ class CausalVAE(nn.Module):
 
     def decode(
         self, z_BCThw: Tensor, cache: list[Tensor] | None = None, *, clamp: bool = True,
-        reference: Tensor | None = None,
+        reference: DecoderReference | None = None,
     ) -> tuple[Tensor, list[Tensor]]:
         """Latents ``(B, latent, T, h, w)`` -> (RGB ``(B, 3, T, h*f, w*f)`` in [-1, 1], new cache).
 

@@ -178,6 +178,16 @@ def test_sr_reference_window_reads_the_reference_near_each_cell(preset: ModelPre
         torch.nn.init.normal_(win.pos_bias, std=2.0)
         out = win(z, ref)
         torch.testing.assert_close(out, _window_attention_by_hand(win, z, ref), atol=1e-5, rtol=0)
+        # its other form, the keys gathered per cell once (the decoder's in a render), computes the same,
+        # on channels-last frames too (the decoder's), and so does the expected offset it reads from
+        keys = win.read(ref)
+        torch.testing.assert_close(win(z, keys), out, atol=1e-5, rtol=0)
+        torch.testing.assert_close(win(z.contiguous(memory_format=torch.channels_last), keys), out, atol=1e-5, rtol=0)
+        (_, slid), (_, gathered) = win.forward_with_offset(z, ref), win.forward_with_offset(z, keys)
+        torch.testing.assert_close(gathered, slid, atol=1e-5, rtol=0)
+        assert slid.shape == (4, 2, 7, 6) and float(slid.abs().max()) > 0.1
+        with pytest.raises(ValueError, match="pass one reference per T frames, at the frames' resolution"):
+            win(z[:, :, :6], keys)
         # a reference cell reaches an output cell only within radius + 3 (the k/v conv, the two out convs)
         ref2 = ref.clone()
         ref2[:, :, 0, 0] += 5.0

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from models.layers import WindowKeys
 from models.presets import VAEConfig, get_preset
 from models.vae import CausalVAE
 
@@ -109,7 +110,12 @@ def test_a_decoder_that_reads_the_reference_starts_as_the_plain_one(vae: CausalV
     z, ref = torch.randn(2, vae.cfg.latent_channels, 3, 8, 8), torch.rand(2, 3, 64, 64) * 2 - 1
     with torch.no_grad():
         feats = grown.reference_features(ref)
-        assert feats is not None and feats.shape == (2, vae.cfg.dec_channels[-2] + 3 * 4 * 4, 16, 16)
+        assert feats is not None and torch.equal(feats.rgb, ref)
+        # without gradients, the window's keys and values of each of the 16x16 cells at twice the latent
+        # resolution, over the 5x5 offsets of radius 2 (one head of 16 per 16 of the window's width)
+        heads = grown.cfg.ref_window_dim // 16
+        assert isinstance(feats.source, WindowKeys)
+        assert feats.source.k.shape == (2, heads, 16 * 16, 16, 25) and feats.source.v.shape == (2, heads, 16 * 16, 25, 16)
         assert torch.equal(grown.decode(z, reference=feats)[0], vae.decode(z)[0])
         assert torch.equal(vae.decode(z, reference=feats)[0], vae.decode(z)[0])
         assert vae.reference_features(ref) is None
@@ -125,13 +131,19 @@ def test_a_decoder_that_reads_the_reference_needs_it_reads_its_own_and_streams(r
         feats = reading.reference_features(refs)
         assert feats is not None
         # the latent the caller already has gives the same features
-        assert torch.equal(reading.reference_features(refs, reading.encode(refs[:, :, None])), feats)
+        given = reading.reference_features(refs, reading.encode(refs[:, :, None]))
+        assert given is not None and all(torch.equal(a, b) for a, b in zip(given.source, feats.source, strict=True))
         both, _ = reading.decode(z, reference=feats)
         # each batch row reads its own reference; another reference changes the frames
         for b in range(2):
-            torch.testing.assert_close(reading.decode(z[b : b + 1], reference=feats[b : b + 1])[0], both[b : b + 1],
-                                       atol=1e-5, rtol=0)
-        swapped, _ = reading.decode(z, reference=feats.flip(0))
+            torch.testing.assert_close(reading.decode(z[b : b + 1], reference=reading.reference_features(refs[b : b + 1]))[0],
+                                       both[b : b + 1], atol=1e-5, rtol=0)
+        # with gradients (training) the features are the window's map itself, slid per offset: the same frames
+        with torch.enable_grad():
+            slid = reading.reference_features(refs)
+        assert slid is not None and isinstance(slid.source, torch.Tensor) and slid.source.requires_grad
+        torch.testing.assert_close(reading.decode(z, reference=slid)[0], both, atol=1e-5, rtol=0)
+        swapped, _ = reading.decode(z, reference=reading.reference_features(refs.flip(0)))
         assert (swapped - both).abs().max() > 1e-3
         # chunked == whole, the reference passed with every chunk
         outs, cache = [], None
@@ -167,7 +179,7 @@ def test_the_reference_warp_copies_the_reference_from_where_the_window_read() ->
         assert win is not None and gate is not None
         win.pos_bias.zero_()
         win.pos_bias[:, 7] = 1e4  # offset index 7 of the 3x3 window: one cell down (dy = +1, dx = 0)
-        _, offset = win.forward_with_offset(torch.randn(2, base.dec_channels[-2], 16, 16), feats)
+        _, offset = win.forward_with_offset(torch.randn(2, base.dec_channels[-2], 16, 16), feats.source)
         assert offset.shape == (2, 2, 16, 16)
         torch.testing.assert_close(offset[:, :, :15], torch.tensor([1.0, 0.0]).view(1, 2, 1, 1).expand(2, 2, 15, 16))
         gate.bias.fill_(2.0)  # fully open (the blend is clamped to [0, 1])

@@ -36,7 +36,7 @@ AUDIO_FEATS_SILENT = Port("audio_feats_silent", torch.Tensor, C,
                           "features_BTD of silence over the step's window: audio guidance's unconditional input",
                           optional=True)
 NOISE = Port("noise", torch.Tensor, C, "initial noise_BCThw of the step's window")
-DECODER_REFERENCE = Port("decoder_reference", torch.Tensor, J,
+DECODER_REFERENCE = Port("decoder_reference", tuple, J,
                          "what a decoder that reads the reference reads of it (CausalVAE.reference_features); "
                          "None for one that does not", optional=True)
 
