@@ -266,6 +266,9 @@ def _tiny() -> ModelPreset:
             dec_blocks=(0, 1),
             temporal_kernel=3,
             lowres_factor=2,
+            # the decoder reads the reference and copies its pixels from where it read (docs/quality.md)
+            ref_window_radius=3,
+            ref_warp=True,
         ),
         audio=audio,
         text=text,

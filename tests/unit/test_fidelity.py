@@ -311,7 +311,8 @@ def test_decoder_ceiling_fits_a_decoder_on_the_scored_faces_and_scores_it_as_the
     with pytest.raises(ValueError, match="one contact sheet shows one chain"):
         fidelity_bounds(num_identities=1, seconds=0.64, sheet=tmp_path / "s.png")
 
-    wide, start = build_vae(None, (32, 64, 128), False, 0)
+    # a plain decoder of another width (the shipped one reads the reference: its window is asked off)
+    wide, start = build_vae(None, (32, 64, 128), False, 0, ref_window_radius=0)
     assert start.endswith("(decoder)") and wide.decoder.conv_in.conv.out_channels == 128
     enc = {k: v.clone() for k, v in wide.state_dict().items() if k.startswith("encoder.")}
     assert all(torch.equal(v, shipped[k]) for k, v in enc.items())
@@ -337,7 +338,7 @@ def test_decoder_ceiling_fits_a_decoder_on_the_scored_faces_and_scores_it_as_the
     assert "--latent-channels 16: a latent of another width needs an encoder trained for it" in capsys.readouterr().err
     # a wider latent: the layers that read or write it start afresh, the rest is the checkpoint's; fitting
     # the whole autoencoder moves the encoder too
-    ae, start = build_vae(None, None, False, 0, latent_channels=16)
+    ae, start = build_vae(None, None, False, 0, latent_channels=16, ref_window_radius=0)
     assert start.endswith("seeded init for 3 of 72 tensors (decoder, encoder)")
     assert torch.equal(ae.state_dict()["encoder.blocks.1.weight"], shipped["encoder.blocks.1.weight"])
     before_ae = {k: v.clone() for k, v in ae.state_dict().items()}
@@ -352,10 +353,11 @@ def test_decoder_ceiling_fits_a_decoder_on_the_scored_faces_and_scores_it_as_the
     assert fitted["dec_channels"] == loaded["dec_channels"] == [16, 32, 48] and fitted["steps"] == loaded["steps"] == 3
     assert fitted["fit_identities"] == [1, 1]  # the control: trained on a face the benchmark does not score
     assert loaded["ratios"] == fitted["ratios"]
-    # a decoder that reads the reference, fit on training faces: it starts as the checkpoint's decoder (its
-    # window a no-op), the fit moves the window, and --load scores the same figures
-    reading, start = build_vae(None, None, False, 0, ref_window_radius=1)
-    assert start.endswith("seeded init for 9 of 81 tensors (decoder)")
+    # a decoder that reads the reference through another window, fit on training faces: the checkpoint's
+    # window loads but for its bias per offset (9 offsets, not 49), the fit moves the window, and --load
+    # scores the same figures
+    reading, start = build_vae(None, None, False, 0, ref_window_radius=1, ref_warp=False)
+    assert start.endswith("seeded init for 1 of 81 tensors (decoder)")
     two = frame_pool(0, 2, 2, seed=1, split="train")
     assert two.owner.tolist() == [0, 0, 1, 1] and not torch.equal(two.references[0], two.references[1])
     window = {k: v.clone() for k, v in reading.decoder.ref_window.state_dict().items()}  # type: ignore[union-attr]

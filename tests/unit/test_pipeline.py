@@ -380,44 +380,39 @@ def test_batched_steps_equal_the_sequential_loop(speech) -> None:  # type: ignor
 
 
 def test_a_decoder_that_reads_the_reference_gets_it_once_per_job(speech) -> None:  # type: ignore[no-untyped-def]
-    """A VAE whose decoder reads the reference (``VAEConfig.ref_window_radius``, ``ref_warp``): the context
-    stage computes its reference features once per job and the decode stage passes them every emission.
-    Streaming equals batch with it and a resumed render equals the uninterrupted one; its frames are not
-    the plain decoder's (the window and the warp's gate are open)."""
-    import dataclasses
-
+    """The shipped decoder reads the reference (``VAEConfig.ref_window_radius``, ``ref_warp``): the context
+    stage computes what it reads once per job (the window's keys, gathered once) and the decode stage
+    passes it every emission. Streaming equals batch with it and a resumed render equals the
+    uninterrupted one; its frames are not those of its own plain path (``plain_decoder``: the window and
+    the warp's gate are trained open)."""
+    from models.layers import WindowKeys
+    from models.training.train_vae import plain_decoder
     from models.vae import CausalVAE
 
     warm = _warm_tiny()
-    plain = warm.modules["vae"].get()
-    assert isinstance(plain, CausalVAE) and warm.modules["vae"].is_loaded
-    torch.manual_seed(9)
-    reading = CausalVAE(dataclasses.replace(plain.cfg, ref_window_radius=2, ref_warp=True)).eval()
-    reading.load_state_dict(plain.state_dict(), strict=False)
-    with torch.no_grad():
-        torch.nn.init.normal_(reading.decoder.ref_window.out.weight, std=0.02)  # type: ignore[union-attr]
-        reading.decoder.ref_gate.bias.fill_(0.3)  # type: ignore[union-attr]
-    loaded = {n: (reading if n == "vae" else m.get()) for n, m in warm.modules.items()}
-    runtime = FamilyRuntime(warm.family, warm.preset, warm.checkpoint, loaded=loaded)
-    calls: list[int] = []
+    vae = warm.modules["vae"].get()
+    assert isinstance(vae, CausalVAE) and vae.decoder.ref_window is not None and vae.decoder.ref_gate is not None
+    calls: list[object] = []
     original = CausalVAE.reference_features
 
     def counted(self: CausalVAE, *args: object) -> object:
-        calls.append(1)
-        return original(self, *args)  # type: ignore[arg-type]
+        calls.append(original(self, *args))  # type: ignore[arg-type]
+        return calls[-1]
 
     request = RenderRequest(image=DEMO_IMAGE, audio=speech(1.4), seed=5)
     try:
         CausalVAE.reference_features = counted  # type: ignore[method-assign]
-        streamed, sink = _frames(request, family=runtime)
+        streamed, sink = _frames(request, family=warm)
         assert len(calls) == 1  # once per job, not per emission
-        batched, _ = _frames(request, mode="batch", family=runtime)
+        assert isinstance(calls[0].source, WindowKeys)  # type: ignore[attr-defined]  # gathered once, no gradients
+        batched, _ = _frames(request, mode="batch", family=warm)
     finally:
         CausalVAE.reference_features = original  # type: ignore[method-assign]
     assert np.array_equal(streamed, batched)
     state = sink.fragments[0].resume_state
     assert state is not None
-    rest, _ = _frames(request, resume_state=state, family=runtime)
+    rest, _ = _frames(request, resume_state=state, family=warm)
     assert np.array_equal(rest, streamed[sink.fragments[1].first_frame:])
-    own, _ = _frames(request, family=warm)
-    assert own.shape == streamed.shape and np.abs(own.astype(int) - streamed.astype(int)).mean() > 1.0
+    loaded = {n: (plain_decoder(vae) if n == "vae" else m.get()) for n, m in warm.modules.items()}
+    plain, _ = _frames(request, family=FamilyRuntime(warm.family, warm.preset, warm.checkpoint, loaded=loaded))
+    assert plain.shape == streamed.shape and np.abs(plain.astype(int) - streamed.astype(int)).mean() > 1.0
