@@ -174,8 +174,8 @@ class Decoder(nn.Module):
     """Streaming decoder. ``blocks[0]`` is the causal input conv, then the causal latent blocks, then the
     per-frame up-sampling path; ``num_cache`` causal layers each keep one cache tensor."""
 
-    # frames per pass of the per-frame path: 4 runs tiny's decoder 1.2-1.3x faster than a whole
-    # 16-frame emission at once on 2 CPU threads (plain or reading the reference; 8 is as fast, 1 and 2
+    # frames per pass of the per-frame path: 4 runs tiny's decoder faster than a whole 16-frame
+    # emission at once on 2 CPU threads (plain 1.27x, reading the reference 1.16x; 8 is as fast, 1 and 2
     # slower) and cuts its temporaries 4x
     FRAMES_PER_PASS = 4
 
