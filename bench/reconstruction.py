@@ -30,6 +30,7 @@ from models.checkpoint import GROWN_PARTS, build_modules, load_checkpoint
 from models.presets import ModelPreset, get_preset
 from models.training.common import REPO_ROOT
 from models.training.train_vae import vae_from_state
+from models.vae import DecoderReference
 
 
 def load_modules(checkpoint: Path | None = None, preset: str = "tiny", vae_state: Path | None = None
@@ -106,13 +107,13 @@ CHAIN_BATCH = 16  # frames encoded together (the causal VAE's chunk; its seams a
 CHAINS = ("vae", "sr")  # encode -> decode; encode -> to_lowres -> SR -> decode
 
 
-def _reference(vae: torch.nn.Module, ref_rgb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _reference(vae: torch.nn.Module, ref_rgb: torch.Tensor) -> tuple[torch.Tensor, DecoderReference | None]:
     """What the chains read of the reference ``ref_rgb`` (1, 3, H, W) in [-1, 1], once per clip: its hr
     latent (the SR's) and the decoder's ``reference_features`` (None for a decoder that does not read it)."""
     return vae.encode(ref_rgb[:, :, None])[:, :, 0], vae.reference_features(ref_rgb)  # type: ignore[operator]
 
 
-def _chains(mods: dict[str, torch.nn.Module], x: torch.Tensor, ref: tuple[torch.Tensor, torch.Tensor | None],
+def _chains(mods: dict[str, torch.nn.Module], x: torch.Tensor, ref: tuple[torch.Tensor, DecoderReference | None],
             names: tuple[str, ...] = ("vae", "sr")) -> dict[str, tuple[torch.Tensor, list[np.ndarray]]]:
     """Frames ``x`` (1, 3, T, H, W) in [-1, 1] through encode -> decode ("vae") and/or encode ->
     to_lowres -> SR -> decode ("sr"), ``ref`` (:func:`_reference`) given to the SR and the decoder: each

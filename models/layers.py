@@ -207,6 +207,7 @@ class WindowKeys(NamedTuple):
 
     k: Tensor  # (B, heads, H*W, head_dim, K): the K = (2r+1)^2 offsets' keys of each cell
     v: Tensor  # (B, heads, H*W, K, head_dim)
+    bias: Tensor  # (heads, H*W, 1, K): the learned bias per head and offset, -inf where the offset leaves the map
 
 
 class ReferenceWindowAttention(nn.Module):
@@ -242,16 +243,20 @@ class ReferenceWindowAttention(nn.Module):
         for t in self.out.parameters():
             nn.init.zeros_(t)
 
-    def read(self, ref_BCHW: Tensor, dtype: torch.dtype | None = None) -> WindowKeys:
+    def read(self, ref_BCHW: Tensor) -> WindowKeys:
         """The reference map's keys and values gathered per cell: cell (y, x)'s window offset (dy, dx) is
-        the map's cell (y + dy, x + dx), zero outside it (masked). They depend on the reference alone: a
-        caller that runs the window on many frames of one reference (the decoder, per emission) computes
-        them once (``CausalVAE.reference_features``)."""
+        the map's cell (y + dy, x + dx), zero outside it (masked by the bias). They depend on the reference
+        alone: a caller that runs the window on many frames of one reference (the decoder, per emission)
+        computes them once (``CausalVAE.reference_features``). A snapshot of the window's weights: gather
+        them again after changing those."""
         B, _, H, W = ref_BCHW.shape
         side, hd = 2 * self.radius + 1, self.HEAD_DIM
-        kv = F.unfold(self.kv(ref_BCHW.to(dtype or ref_BCHW.dtype)), side, padding=self.radius)  # (B, 2*dim*K, HW)
+        kv = F.unfold(self.kv(ref_BCHW), side, padding=self.radius)  # (B, 2*dim*K, HW)
         kv = kv.view(B, 2, self.num_heads, hd, side * side, H * W)
-        return WindowKeys(kv[:, 0].permute(0, 1, 4, 2, 3).contiguous(), kv[:, 1].permute(0, 1, 4, 3, 2).contiguous())
+        inside = F.unfold(torch.ones(1, 1, H, W, dtype=kv.dtype, device=kv.device), side, padding=self.radius)[0] > 0
+        bias = self.pos_bias.to(kv.dtype)[:, None, None, :].masked_fill(~inside.T[None, :, None, :], float("-inf"))
+        return WindowKeys(kv[:, 0].permute(0, 1, 4, 2, 3).contiguous(), kv[:, 1].permute(0, 1, 4, 3, 2).contiguous(),
+                          bias)
 
     def forward(self, z_NCHW: Tensor, ref: Tensor | WindowKeys) -> Tensor:
         """Frames ``(B*T, C, H, W)`` (frames of reference b at rows ``b*T .. b*T+T-1``) and the reference
@@ -259,10 +264,11 @@ class ReferenceWindowAttention(nn.Module):
 
         Two forms of one computation (tested equal). Given the map, each window offset is one
         elementwise product of the padded key map (memory: one map): the fastest when the map is read
-        for few frames, or with gradients (the SR; the decoder's training, one frame per reference:
-        2.4x faster there than gathering 49 keys per cell). Given the keys, each cell's attention is two
-        small matrix products: the fastest for many frames of one reference without gradients (the
-        decoder in a render: its window 3x faster a frame, keys gathered once per job)."""
+        for few frames, or with gradients (the SR; the decoder's training, one frame per reference: its
+        step 2.2-2.7x faster than gathering 49 keys per cell). Given the keys, each cell's attention is
+        two small matrix products: the fastest for many frames of one reference without gradients (the
+        decoder in a render, keys gathered once per job: tiny's whole decoder 12.8-13.6 ms a frame against
+        24-27 slid, one thread; docs/models.md)."""
         return self._attend(z_NCHW, ref, False)[0]
 
     def forward_with_offset(self, z_NCHW: Tensor, ref: Tensor | WindowKeys) -> tuple[Tensor, Tensor]:
@@ -326,14 +332,11 @@ class ReferenceWindowAttention(nn.Module):
         # share its keys). The maps go in and out channels-last (N, H, W, C), so the regrouping moves
         # whole heads, not single floats.
         q = self.q(z_NCHW).permute(0, 2, 3, 1).reshape(B, T, HW, heads, hd).permute(0, 3, 2, 1, 4)  # (B, heads, HW, T, hd)
-        r = self.radius
-        inside = F.unfold(torch.ones(1, 1, H, W, dtype=q.dtype, device=q.device), 2 * r + 1, padding=r)[0] > 0
-        bias = self.pos_bias.to(q.dtype)[:, None, None, :].masked_fill(~inside.T[None, :, None, :], float("-inf"))
-        logits = torch.baddbmm(bias.expand(B, heads, HW, 1, K).reshape(-1, 1, K), q.reshape(-1, T, hd),
+        logits = torch.baddbmm(keys.bias.expand(B, heads, HW, 1, K).reshape(-1, 1, K), q.reshape(-1, T, hd),
                                keys.k.reshape(-1, hd, K), alpha=1 / math.sqrt(hd))
         attn = logits.softmax(dim=-1).view(B, heads, HW, T, K)
         read = (attn @ keys.v).permute(0, 3, 2, 1, 4).reshape(N, H, W, self.dim).permute(0, 3, 1, 2)
         offset = None
         if with_offset:
-            offset = (attn @ self._shifts(attn)).mean(dim=1).permute(0, 2, 3, 1).reshape(N, 2, H, W)  # (B, HW, T, 2) ->
+            offset = (attn @ self._shifts(attn)).mean(dim=1).permute(0, 2, 3, 1).reshape(N, 2, H, W)
         return read, offset

@@ -179,6 +179,7 @@ def test_the_reference_warp_copies_the_reference_from_where_the_window_read() ->
         assert win is not None and gate is not None
         win.pos_bias.zero_()
         win.pos_bias[:, 7] = 1e4  # offset index 7 of the 3x3 window: one cell down (dy = +1, dx = 0)
+        feats = vae.reference_features(ref)  # gathered keys hold the bias they were gathered with
         _, offset = win.forward_with_offset(torch.randn(2, base.dec_channels[-2], 16, 16), feats.source)
         assert offset.shape == (2, 2, 16, 16)
         torch.testing.assert_close(offset[:, :, :15], torch.tensor([1.0, 0.0]).view(1, 2, 1, 1).expand(2, 2, 15, 16))

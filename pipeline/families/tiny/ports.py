@@ -37,7 +37,8 @@ AUDIO_FEATS_SILENT = Port("audio_feats_silent", torch.Tensor, C,
                           optional=True)
 NOISE = Port("noise", torch.Tensor, C, "initial noise_BCThw of the step's window")
 DECODER_REFERENCE = Port("decoder_reference", tuple, J,
-                         "what a decoder that reads the reference reads of it (CausalVAE.reference_features); "
+                         "what a decoder that reads the reference reads of it (CausalVAE.reference_features, "
+                         "a models.vae.DecoderReference); "
                          "None for one that does not", optional=True)
 
 # a2v stage (and STEP_LATENTS)
