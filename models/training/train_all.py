@@ -50,6 +50,7 @@ from models.training.data import build_latent_cache
 from models.training.train_a2v import train_a2v
 from models.training.train_sr import train_sr
 from models.training.train_vae import (
+    DECODER_LR,
     finalize_vae,
     train_decoder,
     train_vae,
@@ -110,7 +111,7 @@ def final_vae(preset: ModelPreset, cache_dir: Path) -> CausalVAE:
 
 
 def chain_decoder(preset: ModelPreset, cache_dir: Path, minutes: float, seed: int, *, detail_weight: float = 0.0,
-                  base: Path | None = None) -> dict[str, float]:
+                  base: Path | None = None, lr: float = DECODER_LR) -> dict[str, float]:
     """Last VAE stage: the decoder (from the decoder-only stage if it ran) fine-tuned on the frozen
     EMA SR model's outputs, i.e. on exactly what the pipeline decodes. The SR is this run's
     (``sr_state.pt``) or, when this run trained none, ``base``'s: with ``--stage reuse-vae --from
@@ -131,7 +132,7 @@ def chain_decoder(preset: ModelPreset, cache_dir: Path, minutes: float, seed: in
         raise FileNotFoundError(f"{sr_state} does not exist: train the SR first (train_sr), or pass --from "
                                 "CHECKPOINT to fine-tune the decoder on that checkpoint's SR")
     sr.eval().requires_grad_(False)
-    return train_decoder(preset, vae, state, minutes=minutes, seed=seed, sr=sr, detail_weight=detail_weight)
+    return train_decoder(preset, vae, state, minutes=minutes, seed=seed, sr=sr, detail_weight=detail_weight, lr=lr)
 
 
 def reuse_vae(preset: ModelPreset, cache_dir: Path, checkpoint: Path) -> None:
@@ -187,7 +188,8 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
             decoder_meta |= {"vae_chain_steps": str(st.step), "vae_chain_minutes": f"{st.elapsed_s / 60:.1f}",
                              "chain_heldout_psnr_db_start": f"{st.extra.get('start_psnr_db', float('nan')):.2f}",
                              "chain_heldout_psnr_db": psnr,
-                             "vae_chain_detail_weight": f"{st.extra.get('detail_weight', 0.0):g}"}
+                             "vae_chain_detail_weight": f"{st.extra.get('detail_weight', 0.0):g}",
+                             **({"vae_chain_lr": f"{st.extra['lr']:g}"} if "lr" in st.extra else {})}
     mods["vae"].load_state_dict(vae_sd if vae_sd is not None else final_vae(preset, cache_dir).state_dict())
     trained: dict[str, str] = {}
     for name in ("a2v", "sr"):
@@ -225,8 +227,14 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
     reused = cache_dir / "vae_reused.json"
     if reused.is_file():
         vae_meta: dict[str, str] = json.loads(reused.read_text())
-        if decoder_meta:  # this run retrained the reused decoder: the reused checkpoint's decoder figures go
+        if decoder_meta:  # this run retrained the reused decoder: the reused checkpoint's decoder figures go,
+            # but a chain decoder trained on from a reused one keeps what it had had (the steps add up)
+            before = vae_meta
             vae_meta = {k: v for k, v in vae_meta.items() if not k.startswith(DECODER_META)}
+            if "vae_chain_steps" in decoder_meta and "vae_chain_steps" in before:
+                vae_meta["vae_chain_continued_from"] = (
+                    f"{before['vae_chain_steps']} steps, {before.get('vae_chain_minutes', '?')} min, held-out "
+                    f"PSNR {before.get('chain_heldout_psnr_db', '?')} dB ({before['vae_reused_from']})")
     else:
         vae_meta = trained_vae_metadata(cache_dir)
     meta = {
@@ -294,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--detail-weight", type=float, default=0.0,
                    help="VAE, decoder and chain stages: extra loss weight on the face's small features")
     p.add_argument("--stage-minutes", type=float, default=None, help="with --stage decoder: its own budget")
+    p.add_argument("--lr", type=float, default=DECODER_LR,
+                   help="decoder and chain stages: peak learning rate (cosine, no warm-up)")
     p.add_argument("--worker", type=int, default=0)
     p.add_argument("--num-workers", type=int, default=1)
     p.add_argument("--preset", default="tiny")
@@ -331,11 +341,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.stage == "decoder":
         train_decoder(preset, final_vae(preset, a.cache_dir), a.cache_dir / "vae_decoder_state.pt",
                       minutes=a.stage_minutes or a.minutes_budget * SHARES["decoder"], seed=a.seed,
-                      detail_weight=a.detail_weight)
+                      detail_weight=a.detail_weight, lr=a.lr)
         return 0
     if a.stage == "chain":
         chain_decoder(preset, a.cache_dir, a.stage_minutes or a.minutes_budget * SHARES["chain"], a.seed,
-                      detail_weight=a.detail_weight, base=a.from_checkpoint)
+                      detail_weight=a.detail_weight, base=a.from_checkpoint, lr=a.lr)
         return 0
     if a.stage == "assemble":
         assemble_checkpoint(preset, a.cache_dir, out, a.seed, extra, base=a.from_checkpoint)

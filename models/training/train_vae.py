@@ -275,8 +275,11 @@ def decoder_step(vae: CausalVAE, opt: torch.optim.Optimizer, z: torch.Tensor, x:
     return loss, parts
 
 
+DECODER_LR = 1.5e-3  # the decoder-only stages' peak learning rate (cosine, no warm-up)
+
+
 def train_decoder(preset: ModelPreset, vae: CausalVAE, state_path: Path, *, minutes: float, seed: int = 0,
-                  batch: int = 2, lr: float = 1.5e-3, log_every: int = 10, save_every_s: float = 120.0,
+                  batch: int = 2, lr: float = DECODER_LR, log_every: int = 10, save_every_s: float = 120.0,
                   eval_frames: int = 16, threads: int | None = None, sr: nn.Module | None = None,
                   sr_noise: float = 0.1, detail_weight: float = 0.0) -> dict[str, float]:
     """Fine-tune only the decoder of the final (frozen-encoder) VAE on full frames.
@@ -334,6 +337,7 @@ def train_decoder(preset: ModelPreset, vae: CausalVAE, state_path: Path, *, minu
     vae.eval()
     st.elapsed_s = budget.elapsed_s
     st.extra["detail_weight"] = detail_weight
+    st.extra["lr"] = lr
     if frames is not None:
         st.extra["heldout_psnr_db"] = heldout_psnr(vae, frames, sr, references=eval_refs)
         log.info("vae decoder: held-out PSNR %.2f -> %.2f dB after %d steps", st.extra["start_psnr_db"],

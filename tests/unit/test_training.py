@@ -545,8 +545,8 @@ def test_decoder_fine_tune_on_a_shipped_checkpoint_keeps_its_other_modules(tmp_p
     reuse_vae(p, cache, base)
     with pytest.raises(FileNotFoundError, match="--from"):
         chain_decoder(p, cache, minutes=0.01, seed=0)
-    c = chain_decoder(p, cache, minutes=0.02, seed=0, detail_weight=8.0, base=base)
-    assert c["steps"] >= 1 and c["detail_weight"] == 8.0
+    c = chain_decoder(p, cache, minutes=0.02, seed=0, detail_weight=8.0, base=base, lr=1e-4)
+    assert c["steps"] >= 1 and c["detail_weight"] == 8.0 and c["lr"] == 1e-4
     with pytest.raises(FileNotFoundError, match="a2v_state.pt"):
         assemble_checkpoint(p, cache, tmp_path / "x.safetensors", seed=0)
     meta = assemble_checkpoint(p, cache, tmp_path / "new.safetensors", seed=0, base=base)
@@ -554,6 +554,10 @@ def test_decoder_fine_tune_on_a_shipped_checkpoint_keeps_its_other_modules(tmp_p
     assert meta["base_checkpoint"] == f"base.safetensors (git abc, sha256 {_sha12(base)})"
     # the base's decoder figures went with its decoder; the VAE's own stay (its encoder is kept)
     assert "vae_decoder_steps" not in meta and meta["vae_chain_steps"] == str(c["steps"]) and meta["vae_steps"] == "7"
+    # the chain decoder was trained on from the base's: what it had had is kept beside this run's figures
+    assert meta["vae_chain_continued_from"] == (f"2 steps, ? min, held-out PSNR ? dB (base.safetensors (git abc, "
+                                                f"sha256 {_sha12(base)}))")
+    assert meta["vae_chain_lr"] == "0.0001"
     fresh = build_modules(p, seed=5)
     load_checkpoint(fresh, tmp_path / "new.safetensors")
     for name in ("a2v", "audio", "sr", "text"):
