@@ -51,6 +51,7 @@ from models.training.train_a2v import train_a2v
 from models.training.train_sr import train_sr
 from models.training.train_vae import (
     DECODER_LR,
+    DECODER_SR_NOISE,
     finalize_vae,
     train_decoder,
     train_vae,
@@ -111,7 +112,8 @@ def final_vae(preset: ModelPreset, cache_dir: Path) -> CausalVAE:
 
 
 def chain_decoder(preset: ModelPreset, cache_dir: Path, minutes: float, seed: int, *, detail_weight: float = 0.0,
-                  base: Path | None = None, lr: float = DECODER_LR) -> dict[str, float]:
+                  base: Path | None = None, lr: float = DECODER_LR, sr_noise: float = DECODER_SR_NOISE
+                  ) -> dict[str, float]:
     """Last VAE stage: the decoder (from the decoder-only stage if it ran) fine-tuned on the frozen
     EMA SR model's outputs, i.e. on exactly what the pipeline decodes. The SR is this run's
     (``sr_state.pt``) or, when this run trained none, ``base``'s: with ``--stage reuse-vae --from
@@ -132,7 +134,8 @@ def chain_decoder(preset: ModelPreset, cache_dir: Path, minutes: float, seed: in
         raise FileNotFoundError(f"{sr_state} does not exist: train the SR first (train_sr), or pass --from "
                                 "CHECKPOINT to fine-tune the decoder on that checkpoint's SR")
     sr.eval().requires_grad_(False)
-    return train_decoder(preset, vae, state, minutes=minutes, seed=seed, sr=sr, detail_weight=detail_weight, lr=lr)
+    return train_decoder(preset, vae, state, minutes=minutes, seed=seed, sr=sr, detail_weight=detail_weight, lr=lr,
+                         sr_noise=sr_noise)
 
 
 def reuse_vae(preset: ModelPreset, cache_dir: Path, checkpoint: Path) -> None:
@@ -189,7 +192,7 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
                              "chain_heldout_psnr_db_start": f"{st.extra.get('start_psnr_db', float('nan')):.2f}",
                              "chain_heldout_psnr_db": psnr,
                              "vae_chain_detail_weight": f"{st.extra.get('detail_weight', 0.0):g}",
-                             **({"vae_chain_lr": f"{st.extra['lr']:g}"} if "lr" in st.extra else {})}
+                             **{f"vae_chain_{k}": f"{st.extra[k]:g}" for k in ("lr", "sr_noise") if k in st.extra}}
     mods["vae"].load_state_dict(vae_sd if vae_sd is not None else final_vae(preset, cache_dir).state_dict())
     trained: dict[str, str] = {}
     for name in ("a2v", "sr"):
@@ -304,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stage-minutes", type=float, default=None, help="with --stage decoder: its own budget")
     p.add_argument("--lr", type=float, default=DECODER_LR,
                    help="decoder and chain stages: peak learning rate (cosine, no warm-up)")
+    p.add_argument("--sr-noise", type=float, default=DECODER_SR_NOISE,
+                   help="chain stage: the SR's input gets noise of a std drawn uniformly in [0, this)")
     p.add_argument("--worker", type=int, default=0)
     p.add_argument("--num-workers", type=int, default=1)
     p.add_argument("--preset", default="tiny")
@@ -345,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.stage == "chain":
         chain_decoder(preset, a.cache_dir, a.stage_minutes or a.minutes_budget * SHARES["chain"], a.seed,
-                      detail_weight=a.detail_weight, base=a.from_checkpoint, lr=a.lr)
+                      detail_weight=a.detail_weight, base=a.from_checkpoint, lr=a.lr, sr_noise=a.sr_noise)
         return 0
     if a.stage == "assemble":
         assemble_checkpoint(preset, a.cache_dir, out, a.seed, extra, base=a.from_checkpoint)

@@ -276,12 +276,13 @@ def decoder_step(vae: CausalVAE, opt: torch.optim.Optimizer, z: torch.Tensor, x:
 
 
 DECODER_LR = 1.5e-3  # the decoder-only stages' peak learning rate (cosine, no warm-up)
+DECODER_SR_NOISE = 0.1  # the chain stage's noise on the SR's input: std uniform in [0, this)
 
 
 def train_decoder(preset: ModelPreset, vae: CausalVAE, state_path: Path, *, minutes: float, seed: int = 0,
                   batch: int = 2, lr: float = DECODER_LR, log_every: int = 10, save_every_s: float = 120.0,
                   eval_frames: int = 16, threads: int | None = None, sr: nn.Module | None = None,
-                  sr_noise: float = 0.1, detail_weight: float = 0.0) -> dict[str, float]:
+                  sr_noise: float = DECODER_SR_NOISE, detail_weight: float = 0.0) -> dict[str, float]:
     """Fine-tune only the decoder of the final (frozen-encoder) VAE on full frames.
 
     With ``sr`` (a trained, frozen SR model) the decoder learns to decode what the pipeline actually
@@ -338,6 +339,8 @@ def train_decoder(preset: ModelPreset, vae: CausalVAE, state_path: Path, *, minu
     st.elapsed_s = budget.elapsed_s
     st.extra["detail_weight"] = detail_weight
     st.extra["lr"] = lr
+    if sr is not None:
+        st.extra["sr_noise"] = sr_noise
     if frames is not None:
         st.extra["heldout_psnr_db"] = heldout_psnr(vae, frames, sr, references=eval_refs)
         log.info("vae decoder: held-out PSNR %.2f -> %.2f dB after %d steps", st.extra["start_psnr_db"],

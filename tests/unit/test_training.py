@@ -545,8 +545,8 @@ def test_decoder_fine_tune_on_a_shipped_checkpoint_keeps_its_other_modules(tmp_p
     reuse_vae(p, cache, base)
     with pytest.raises(FileNotFoundError, match="--from"):
         chain_decoder(p, cache, minutes=0.01, seed=0)
-    c = chain_decoder(p, cache, minutes=0.02, seed=0, detail_weight=8.0, base=base, lr=1e-4)
-    assert c["steps"] >= 1 and c["detail_weight"] == 8.0 and c["lr"] == 1e-4
+    c = chain_decoder(p, cache, minutes=0.02, seed=0, detail_weight=8.0, base=base, lr=1e-4, sr_noise=0.25)
+    assert c["steps"] >= 1 and c["detail_weight"] == 8.0 and c["lr"] == 1e-4 and c["sr_noise"] == 0.25
     with pytest.raises(FileNotFoundError, match="a2v_state.pt"):
         assemble_checkpoint(p, cache, tmp_path / "x.safetensors", seed=0)
     meta = assemble_checkpoint(p, cache, tmp_path / "new.safetensors", seed=0, base=base)
@@ -557,7 +557,7 @@ def test_decoder_fine_tune_on_a_shipped_checkpoint_keeps_its_other_modules(tmp_p
     # the chain decoder was trained on from the base's: what it had had is kept beside this run's figures
     assert meta["vae_chain_continued_from"] == (f"2 steps, ? min, held-out PSNR ? dB (base.safetensors (git abc, "
                                                 f"sha256 {_sha12(base)}))")
-    assert meta["vae_chain_lr"] == "0.0001"
+    assert meta["vae_chain_lr"] == "0.0001" and meta["vae_chain_sr_noise"] == "0.25"
     fresh = build_modules(p, seed=5)
     load_checkpoint(fresh, tmp_path / "new.safetensors")
     for name in ("a2v", "audio", "sr", "text"):
