@@ -122,8 +122,15 @@ def chain_decoder(preset: ModelPreset, cache_dir: Path, minutes: float, seed: in
     state = cache_dir / "vae_chain_state.pt"
     vae = final_vae(preset, cache_dir)
     dec_state = cache_dir / "vae_decoder_state.pt"
+    reused = cache_dir / "vae_reused.json"
+    init_from = ""  # where a fresh run's decoder comes from, when not from this run's own stages
     if not state.is_file() and dec_state.is_file():
         vae.load_state_dict(torch.load(dec_state, map_location="cpu", weights_only=False)["modules"]["vae"])
+    elif not state.is_file() and reused.is_file():  # a reused checkpoint's decoder, trained on here
+        m = json.loads(reused.read_text())
+        init_from = m["vae_reused_from"] + (
+            f": its chain decoder, {m['vae_chain_steps']} steps, {m.get('vae_chain_minutes', '?')} min, held-out "
+            f"PSNR {m.get('chain_heldout_psnr_db', '?')} dB" if "vae_chain_steps" in m else "")
     sr = build_modules(preset, seed)["sr"]
     sr_state = cache_dir / "sr_state.pt"
     if sr_state.is_file():
@@ -135,7 +142,7 @@ def chain_decoder(preset: ModelPreset, cache_dir: Path, minutes: float, seed: in
                                 "CHECKPOINT to fine-tune the decoder on that checkpoint's SR")
     sr.eval().requires_grad_(False)
     return train_decoder(preset, vae, state, minutes=minutes, seed=seed, sr=sr, detail_weight=detail_weight, lr=lr,
-                         sr_noise=sr_noise)
+                         sr_noise=sr_noise, init_from=init_from)
 
 
 def reuse_vae(preset: ModelPreset, cache_dir: Path, checkpoint: Path) -> None:
@@ -185,14 +192,18 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
         vae_sd, st = blob["modules"]["vae"], TrainState(**blob["state"])
         psnr = f"{st.extra.get('heldout_psnr_db', float('nan')):.2f}"
         if path.name == "vae_decoder_state.pt":
+            stage = "vae_decoder"
             decoder_meta |= {"vae_decoder_steps": str(st.step), "vae_decoder_minutes": f"{st.elapsed_s / 60:.1f}",
                              "vae_decoder_heldout_psnr_db": psnr}
         else:
+            stage = "vae_chain"
             decoder_meta |= {"vae_chain_steps": str(st.step), "vae_chain_minutes": f"{st.elapsed_s / 60:.1f}",
                              "chain_heldout_psnr_db_start": f"{st.extra.get('start_psnr_db', float('nan')):.2f}",
                              "chain_heldout_psnr_db": psnr,
-                             "vae_chain_detail_weight": f"{st.extra.get('detail_weight', 0.0):g}",
-                             **{f"vae_chain_{k}": f"{st.extra[k]:g}" for k in ("lr", "sr_noise") if k in st.extra}}
+                             "vae_chain_detail_weight": f"{st.extra.get('detail_weight', 0.0):g}"}
+        decoder_meta |= {f"{stage}_{k}": f"{st.extra[k]:g}" for k in ("lr", "sr_noise") if k in st.extra}
+        if st.init_from:
+            decoder_meta[f"{stage}_init_from"] = st.init_from
     mods["vae"].load_state_dict(vae_sd if vae_sd is not None else final_vae(preset, cache_dir).state_dict())
     trained: dict[str, str] = {}
     for name in ("a2v", "sr"):
@@ -230,14 +241,9 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
     reused = cache_dir / "vae_reused.json"
     if reused.is_file():
         vae_meta: dict[str, str] = json.loads(reused.read_text())
-        if decoder_meta:  # this run retrained the reused decoder: the reused checkpoint's decoder figures go,
-            # but a chain decoder trained on from a reused one keeps what it had had (the steps add up)
-            before = vae_meta
+        if decoder_meta:  # this run retrained the reused decoder: the reused checkpoint's decoder figures go
+            # (what a chain stage started from is its vae_chain_init_from)
             vae_meta = {k: v for k, v in vae_meta.items() if not k.startswith(DECODER_META)}
-            if "vae_chain_steps" in decoder_meta and "vae_chain_steps" in before:
-                vae_meta["vae_chain_continued_from"] = (
-                    f"{before['vae_chain_steps']} steps, {before.get('vae_chain_minutes', '?')} min, held-out "
-                    f"PSNR {before.get('chain_heldout_psnr_db', '?')} dB ({before['vae_reused_from']})")
     else:
         vae_meta = trained_vae_metadata(cache_dir)
     meta = {

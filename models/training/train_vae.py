@@ -282,7 +282,8 @@ DECODER_SR_NOISE = 0.1  # the chain stage's noise on the SR's input: std uniform
 def train_decoder(preset: ModelPreset, vae: CausalVAE, state_path: Path, *, minutes: float, seed: int = 0,
                   batch: int = 2, lr: float = DECODER_LR, log_every: int = 10, save_every_s: float = 120.0,
                   eval_frames: int = 16, threads: int | None = None, sr: nn.Module | None = None,
-                  sr_noise: float = DECODER_SR_NOISE, detail_weight: float = 0.0) -> dict[str, float]:
+                  sr_noise: float = DECODER_SR_NOISE, detail_weight: float = 0.0,
+                  init_from: str = "") -> dict[str, float]:
     """Fine-tune only the decoder of the final (frozen-encoder) VAE on full frames.
 
     With ``sr`` (a trained, frozen SR model) the decoder learns to decode what the pipeline actually
@@ -292,14 +293,18 @@ def train_decoder(preset: ModelPreset, vae: CausalVAE, state_path: Path, *, minu
     The latents the A2V and SR models are trained on depend only on the encoder, so this runs while
     they train. Full frames (not crops) so the decoder's group norms see inference statistics.
     ``vae`` is updated in place; its weights are also in ``state_path`` (resumable).
-    ``detail_weight``: as in :func:`train_vae`.
+    ``detail_weight``: as in :func:`train_vae`. ``init_from``: where ``vae``'s decoder came from, recorded
+    in a fresh run's state (as :func:`~models.training.common.warm_start` records a warm start).
     """
     if threads:
         torch.set_num_threads(threads)
     vae.encoder.requires_grad_(False)
     vae.decoder.requires_grad_(True)
     opt = torch.optim.AdamW(vae.decoder.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
+    fresh = not state_path.is_file()
     st = load_state(state_path, {"vae": vae}, opt)
+    if fresh:
+        st.init_from = init_from
     sampler = FrameSampler("train", preset.height)
     losses = LossLog(state_path.with_suffix(".jsonl"), "vae_decoder")
     frames, frame_refs = heldout_frames_with_reference(eval_frames, preset.height) if eval_frames else (None, None)

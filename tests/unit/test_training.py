@@ -554,10 +554,18 @@ def test_decoder_fine_tune_on_a_shipped_checkpoint_keeps_its_other_modules(tmp_p
     assert meta["base_checkpoint"] == f"base.safetensors (git abc, sha256 {_sha12(base)})"
     # the base's decoder figures went with its decoder; the VAE's own stay (its encoder is kept)
     assert "vae_decoder_steps" not in meta and meta["vae_chain_steps"] == str(c["steps"]) and meta["vae_steps"] == "7"
-    # the chain decoder was trained on from the base's: what it had had is kept beside this run's figures
-    assert meta["vae_chain_continued_from"] == (f"2 steps, ? min, held-out PSNR ? dB (base.safetensors (git abc, "
-                                                f"sha256 {_sha12(base)}))")
+    # the chain decoder was trained on from the base's: the metadata says so, with what it had had
+    assert meta["vae_chain_init_from"] == (f"base.safetensors (git abc, sha256 {_sha12(base)}): its chain decoder, "
+                                           "2 steps, ? min, held-out PSNR ? dB")
     assert meta["vae_chain_lr"] == "0.0001" and meta["vae_chain_sr_noise"] == "0.25"
+    # after a decoder stage of its own, the chain starts from that, not from the base's chain decoder
+    cache2 = tmp_path / "cache2"
+    reuse_vae(p, cache2, base)
+    train_decoder(p, final_vae(p, cache2), cache2 / "vae_decoder_state.pt", minutes=0.01, seed=0, lr=2e-4)
+    chain_decoder(p, cache2, minutes=0.01, seed=0, base=base)
+    meta2 = assemble_checkpoint(p, cache2, tmp_path / "new2.safetensors", seed=0, base=base)
+    assert "vae_chain_init_from" not in meta2 and meta2["vae_decoder_lr"] == "0.0002"
+    assert meta2["vae_chain_lr"] == "0.0015" and "vae_decoder_sr_noise" not in meta2
     fresh = build_modules(p, seed=5)
     load_checkpoint(fresh, tmp_path / "new.safetensors")
     for name in ("a2v", "audio", "sr", "text"):
