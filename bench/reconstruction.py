@@ -15,6 +15,7 @@ Who calls what: ``python -m bench.reconstruction --seconds 10`` while training. 
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 from collections.abc import Callable
@@ -167,8 +168,15 @@ def fidelity_bounds(num_identities: int = 20, seconds: float = 4.0, seed: int = 
             for name in chains}
 
 
+def parse_chains(p: argparse.ArgumentParser, spec: str) -> tuple[str, ...]:
+    """A CLI's ``--chains``: comma-separated names of :data:`CHAINS`, refused through ``p.error``."""
+    chains = tuple(c.strip() for c in spec.split(",") if c.strip())
+    if not chains or set(chains) - set(CHAINS):
+        p.error(f"--chains {spec!r}: give one or more of {', '.join(CHAINS)}, comma-separated")
+    return chains
+
+
 def main(argv: list[str] | None = None) -> int:
-    import argparse
     import json
 
     p = argparse.ArgumentParser(prog="python -m bench.reconstruction", description=__doc__.split("\n\n")[0])
@@ -190,9 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="--fidelity --chains vae: score this VAE training state (train_vae's vae_state.pt, or "
                         "vae_final.pt) instead of a checkpoint's VAE, before anything is trained on its latents")
     a = p.parse_args(argv)
-    chains = tuple(c.strip() for c in a.chains.split(",") if c.strip())
-    if not chains or set(chains) - set(CHAINS):
-        p.error(f"--chains {a.chains!r}: give one or more of {', '.join(CHAINS)}, comma-separated")
+    chains = parse_chains(p, a.chains)
     if a.vae_state is not None and (not a.fidelity or chains != ("vae",)):
         p.error("--vae-state scores an autoencoder alone: use it with --fidelity --chains vae")
     from bench.fidelity import check_heldout_args, markdown_table

@@ -250,7 +250,8 @@ class Decoder(nn.Module):
         return DecoderReference(features if torch.is_grad_enabled() else self.ref_window.read(features), rgb)
 
     def forward(self, z_BTCHW: Tensor, cache: list[Tensor] | None,
-                reference: DecoderReference | None = None) -> tuple[Tensor, list[Tensor]]:
+                reference: DecoderReference | None = None, offsets: list[Tensor] | None = None,
+                ) -> tuple[Tensor, list[Tensor]]:
         if cache is not None and len(cache) != self.num_cache:
             raise ValueError(
                 f"decoder cache has {len(cache)} entries, expected {self.num_cache}: pass the cache "
@@ -267,12 +268,16 @@ class Decoder(nn.Module):
         # the up-sampling path is per frame: run it a few frames at a time, so its temporaries (16
         # channels at full resolution, the window's attention) follow FRAMES_PER_PASS, not the emission
         y_BTCHW, g = y.view(B, T, *y.shape[1:]), self.FRAMES_PER_PASS
+        read: list[Tensor] | None = [] if offsets is not None and self.ref_gate is not None else None
         parts = [self._up(y_BTCHW[:, t:t + g].reshape(-1, *y.shape[1:]).contiguous(memory_format=torch.channels_last),
-                          reference, min(g, T - t)) for t in range(0, T, g)]
+                          reference, min(g, T - t), read) for t in range(0, T, g)]
+        if offsets is not None and read is not None:
+            offsets.append(torch.cat([o.view(B, -1, *o.shape[1:]) for o in read], dim=1))
         return torch.cat([part.view(B, -1, *part.shape[1:]) for part in parts], dim=1), new
 
-    def _up(self, y: Tensor, reference: DecoderReference | None, T: int) -> Tensor:
-        """The per-frame path, from the latent level's features ``(B*T, C, h, w)`` to RGB."""
+    def _up(self, y: Tensor, reference: DecoderReference | None, T: int, offsets: list[Tensor] | None = None) -> Tensor:
+        """The per-frame path, from the latent level's features ``(B*T, C, h, w)`` to RGB; ``offsets``
+        gets where the warp read (``(B*T, 2, h', w')``, cells of the window's level)."""
         blend: tuple[Tensor, Tensor] | None = None  # the warp's gate and the warped reference
         for i, blk in enumerate(self.up):
             if i == self.ref_at and reference is not None and self.ref_window is not None:
@@ -281,6 +286,8 @@ class Decoder(nn.Module):
                 else:
                     y, offset = self.ref_window.forward_with_offset(y, reference.source)
                     blend = self.ref_gate(y), self._warp(reference.rgb, offset, T)
+                    if offsets is not None:
+                        offsets.append(offset)
             y = blk(y)
         if blend is not None:
             gate, warped = blend
@@ -354,17 +361,19 @@ class CausalVAE(nn.Module):
 
     def decode(
         self, z_BCThw: Tensor, cache: list[Tensor] | None = None, *, clamp: bool = True,
-        reference: DecoderReference | None = None,
+        reference: DecoderReference | None = None, offsets: list[Tensor] | None = None,
     ) -> tuple[Tensor, list[Tensor]]:
         """Latents ``(B, latent, T, h, w)`` -> (RGB ``(B, 3, T, h*f, w*f)`` in [-1, 1], new cache).
 
         Pass ``cache=None`` for the first chunk of a stream and the returned cache for the next one.
         ``clamp=False`` keeps the raw output (for training losses). ``reference``:
         :meth:`reference_features` of the stream's reference (one per batch row), required by a decoder
-        that reads it, ignored by one that does not.
+        that reads it, ignored by one that does not. ``offsets``: a decoder whose warp copies the
+        reference appends where it read it, ``(B, T, 2, h', w')`` (dy, dx) in cells of its window's level
+        (``VAEConfig.factor // 2`` pixels), for a loss on them or a measurement (``bench.warp_error``).
         """
         z_BTChw = (z_BCThw / self.cfg.scaling).transpose(1, 2)
-        rgb_BTCHW, new_cache = self.decoder(z_BTChw, cache, reference)
+        rgb_BTCHW, new_cache = self.decoder(z_BTChw, cache, reference, offsets)
         rgb = rgb_BTCHW.transpose(1, 2)
         return (rgb.clamp(-1.0, 1.0) if clamp else rgb), new_cache
 

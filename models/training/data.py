@@ -18,9 +18,11 @@ import logging
 import time
 from collections import OrderedDict
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from models.avatars.dataset import IDENTITY_SPLITS, AvatarRenderer, FrameTruth, render_clip
 from models.avatars.speech import SpeechSynth
@@ -37,6 +39,20 @@ def to_unit(rgb_uint8: np.ndarray) -> torch.Tensor:
     """``(..., H, W, 3)`` uint8 -> float in [-1, 1] with channels moved before H, W."""
     t = torch.from_numpy(np.array(rgb_uint8, copy=True)).float().div(127.5).sub(1.0)
     return t.movedim(-1, -3)
+
+
+class DrawnFrames(NamedTuple):
+    """What :meth:`FrameSampler.draw` draws: ``frames`` and ``refs`` ``(B, 3, 1, S, S)`` in [-1, 1]; when
+    asked, ``detail`` ``(B, 1, 1, S, S)`` in [0, 1] (the regions' coverage, occlusion included:
+    :meth:`models.avatars.dataset.AvatarRenderer.coverage`), ``shift`` ``(B, 2, S/c, S/c)`` (dy, dx in
+    pixels: where each cell's head came from in the reference) and ``head`` ``(B, 1, S/c, S/c)`` (1 where
+    the head covers the cell whole, the cells ``shift`` holds for)."""
+
+    frames: torch.Tensor
+    refs: torch.Tensor
+    detail: torch.Tensor | None = None
+    shift: torch.Tensor | None = None
+    head: torch.Tensor | None = None
 
 
 class FrameSampler:
@@ -59,22 +75,25 @@ class FrameSampler:
         return r
 
     def batch(self, gen: torch.Generator, batch: int, crop: int | None = None) -> torch.Tensor:
-        return self.batch_with_reference(gen, batch, crop)[0]
+        return self.draw(gen, batch, crop).frames
 
     def batch_with_reference(self, gen: torch.Generator, batch: int, crop: int | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor]:
         """(frames, the identities' neutral reference frames), both ``(B, 3, 1, S, S)``."""
-        x, refs, _ = self.draw(gen, batch, crop)
-        return x, refs
+        d = self.draw(gen, batch, crop)
+        return d.frames, d.refs
 
     def draw(self, gen: torch.Generator, batch: int, crop: int | None = None,
-             regions: tuple[str, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(frames, the identities' neutral reference frames, ``regions``' coverage of each frame or None):
-        ``(B, 3, 1, S, S)``, the same, ``(B, 1, 1, S, S)`` in [0, 1] (the generator's region masks,
-        occlusion included; :meth:`models.avatars.dataset.AvatarRenderer.coverage`). The frames do not
-        depend on ``regions``: the same generator draws the same batch with or without them."""
+             regions: tuple[str, ...] | None = None, motion_cell: int | None = None) -> DrawnFrames:
+        """A batch (:class:`DrawnFrames`): the frames, the identities' neutral reference frames, and
+        when asked ``regions``' coverage of each frame and, per ``motion_cell`` x ``motion_cell`` cell, where
+        the head came from in the reference (``FaceRenderer.reference_shift``) with the cells it covers
+        whole. The frames do not depend on what else is asked: the same generator draws the same batch."""
+        if motion_cell is not None and crop is not None and crop < self.size:
+            raise ValueError(f"motion_cell={motion_cell} with crop={crop}: the head's motion is drawn for whole "
+                             "frames: pass crop=None")
         lo, hi = IDENTITY_SPLITS[self.split]
-        out, refs, details = [], [], []
+        out, refs, details, shifts, heads = [], [], [], [], []
         for _ in range(batch):
             u = torch.rand(5, generator=gen).tolist()
             ident = lo + int(torch.randint(hi - lo, (1,), generator=gen))
@@ -89,6 +108,12 @@ class FrameSampler:
             x = to_unit(img)
             refs.append(to_unit(r.reference()))
             d = None if regions is None else torch.from_numpy(r.coverage(truth, regions)[0])[None]  # (1, S, S)
+            if motion_cell is not None:
+                shifts.append(torch.from_numpy(r.face.reference_shift(truth.pose, motion_cell)))
+                bg = r.face.region_masks(truth.pose, truth.mouth_open, truth.mouth_width, truth.blink,
+                                         names=("background",))["background"]
+                head = torch.from_numpy(1.0 - bg)[None, None]
+                heads.append((F.avg_pool2d(head, motion_cell)[0] >= 0.999).float())
             if crop is not None and crop < self.size:
                 y0, x0 = (int(v) for v in torch.randint(0, (self.size - crop) // 8 + 1, (2,), generator=gen) * 8)
                 x = x[:, y0 : y0 + crop, x0 : x0 + crop]
@@ -97,7 +122,8 @@ class FrameSampler:
             if d is not None:
                 details.append(d)
         detail = torch.stack(details)[:, :, None] if regions is not None else None
-        return torch.stack(out)[:, :, None], torch.stack(refs)[:, :, None], detail
+        motion = (torch.stack(shifts), torch.stack(heads)) if motion_cell is not None else (None, None)
+        return DrawnFrames(torch.stack(out)[:, :, None], torch.stack(refs)[:, :, None], detail, *motion)
 
 
 def heldout_frames(count: int, size: int = 256, seed: int = 12345) -> torch.Tensor:

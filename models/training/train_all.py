@@ -112,8 +112,8 @@ def final_vae(preset: ModelPreset, cache_dir: Path) -> CausalVAE:
 
 
 def chain_decoder(preset: ModelPreset, cache_dir: Path, minutes: float, seed: int, *, detail_weight: float = 0.0,
-                  base: Path | None = None, lr: float = DECODER_LR, sr_noise: float = DECODER_SR_NOISE
-                  ) -> dict[str, float]:
+                  base: Path | None = None, lr: float = DECODER_LR, sr_noise: float = DECODER_SR_NOISE,
+                  motion_weight: float = 0.0) -> dict[str, float]:
     """Last VAE stage: the decoder (from the decoder-only stage if it ran) fine-tuned on the frozen
     EMA SR model's outputs, i.e. on exactly what the pipeline decodes. The SR is this run's
     (``sr_state.pt``) or, when this run trained none, ``base``'s: with ``--stage reuse-vae --from
@@ -142,7 +142,7 @@ def chain_decoder(preset: ModelPreset, cache_dir: Path, minutes: float, seed: in
                                 "CHECKPOINT to fine-tune the decoder on that checkpoint's SR")
     sr.eval().requires_grad_(False)
     return train_decoder(preset, vae, state, minutes=minutes, seed=seed, sr=sr, detail_weight=detail_weight, lr=lr,
-                         sr_noise=sr_noise, init_from=init_from)
+                         sr_noise=sr_noise, init_from=init_from, motion_weight=motion_weight)
 
 
 def reuse_vae(preset: ModelPreset, cache_dir: Path, checkpoint: Path) -> None:
@@ -201,7 +201,8 @@ def assemble_checkpoint(preset: ModelPreset, cache_dir: Path, out: Path, seed: i
                              "chain_heldout_psnr_db_start": f"{st.extra.get('start_psnr_db', float('nan')):.2f}",
                              "chain_heldout_psnr_db": psnr,
                              "vae_chain_detail_weight": f"{st.extra.get('detail_weight', 0.0):g}"}
-        decoder_meta |= {f"{stage}_{k}": f"{st.extra[k]:g}" for k in ("lr", "sr_noise") if k in st.extra}
+        decoder_meta |= {f"{stage}_{k}": f"{st.extra[k]:g}" for k in ("lr", "sr_noise", "motion_weight")
+                         if k in st.extra}
         if st.init_from:
             decoder_meta[f"{stage}_init_from"] = st.init_from
     mods["vae"].load_state_dict(vae_sd if vae_sd is not None else final_vae(preset, cache_dir).state_dict())
@@ -315,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="decoder and chain stages: peak learning rate (cosine, no warm-up)")
     p.add_argument("--sr-noise", type=float, default=DECODER_SR_NOISE,
                    help="chain stage: the SR's input gets noise of a std drawn uniformly in [0, this)")
+    p.add_argument("--motion-weight", type=float, default=0.0,
+                   help="decoder and chain stages, a decoder whose warp copies the reference: weight of the loss "
+                        "on where the warp reads against the head's true motion (the generator's; 0: off)")
     p.add_argument("--worker", type=int, default=0)
     p.add_argument("--num-workers", type=int, default=1)
     p.add_argument("--preset", default="tiny")
@@ -352,11 +356,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.stage == "decoder":
         train_decoder(preset, final_vae(preset, a.cache_dir), a.cache_dir / "vae_decoder_state.pt",
                       minutes=a.stage_minutes or a.minutes_budget * SHARES["decoder"], seed=a.seed,
-                      detail_weight=a.detail_weight, lr=a.lr)
+                      detail_weight=a.detail_weight, lr=a.lr, motion_weight=a.motion_weight)
         return 0
     if a.stage == "chain":
         chain_decoder(preset, a.cache_dir, a.stage_minutes or a.minutes_budget * SHARES["chain"], a.seed,
-                      detail_weight=a.detail_weight, base=a.from_checkpoint, lr=a.lr, sr_noise=a.sr_noise)
+                      detail_weight=a.detail_weight, base=a.from_checkpoint, lr=a.lr, sr_noise=a.sr_noise,
+                      motion_weight=a.motion_weight)
         return 0
     if a.stage == "assemble":
         assemble_checkpoint(preset, a.cache_dir, out, a.seed, extra, base=a.from_checkpoint)
@@ -371,8 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     train_sr(preset, a.cache_dir / "latents", a.cache_dir / "sr_state.pt",
              minutes=a.minutes_budget * SHARES["sr"], seed=a.seed)
     train_decoder(preset, final_vae(preset, a.cache_dir), a.cache_dir / "vae_decoder_state.pt",
-                  minutes=a.minutes_budget * SHARES["decoder"], seed=a.seed, detail_weight=a.detail_weight)
-    chain_decoder(preset, a.cache_dir, a.minutes_budget * SHARES["chain"], a.seed, detail_weight=a.detail_weight)
+                  minutes=a.minutes_budget * SHARES["decoder"], seed=a.seed, detail_weight=a.detail_weight,
+                  motion_weight=a.motion_weight)
+    chain_decoder(preset, a.cache_dir, a.minutes_budget * SHARES["chain"], a.seed, detail_weight=a.detail_weight,
+                  motion_weight=a.motion_weight)
     assemble_checkpoint(preset, a.cache_dir, out, a.seed, extra)
     log.info("train_all finished in %.1f min (this invocation; cache build ended at %.1f min)",
              (time.monotonic() - t0) / 60, (t_cache - t0) / 60)

@@ -42,7 +42,7 @@ from models.training.data import (
     heldout_frames_with_reference,
     psnr,
 )
-from models.vae import CausalConv3d, CausalVAE, pool_frames
+from models.vae import CausalConv3d, CausalVAE, DecoderReference, pool_frames
 
 log = logging.getLogger(__name__)
 
@@ -174,8 +174,9 @@ def train_vae(preset: ModelPreset, state_path: Path, *, minutes: float, seed: in
     while not budget.done():
         gen = step_generator(seed, st.step)
         full = budget.fraction > 1.0 - full_fraction
-        x, _, detail = sampler.draw(gen, full_batch if full else batch, None if full else crop,
-                                    DETAIL_REGIONS if detail_weight > 0.0 else None)
+        drawn = sampler.draw(gen, full_batch if full else batch, None if full else crop,
+                             DETAIL_REGIONS if detail_weight > 0.0 else None)
+        x, detail = drawn.frames, drawn.detail
         for g in opt.param_groups:
             g["lr"] = cosine_lr(lr, budget.fraction)
         loss, parts = vae_loss(vae, x, gen, kl_weight, pixel_weight(detail, detail_weight), scale_equivariance)
@@ -263,14 +264,35 @@ def vae_step(vae: CausalVAE, opt: torch.optim.Optimizer, loss: torch.Tensor) -> 
         zero_past_taps(vae)
 
 
+def motion_loss(offset_cells: torch.Tensor, shift_px: torch.Tensor, head: torch.Tensor, cell: int) -> torch.Tensor:
+    """Where a decoder's warp read the reference (``offset_cells`` ``(B, 2, h, w)``, cells of ``cell``
+    pixels) against where the frame's head came from in it (``shift_px``, the generator's:
+    ``FrameSampler.draw(motion_cell=cell)``): the mean distance in cells over the cells the head covers
+    whole (``head``); zero when it covers none."""
+    dist = (offset_cells - shift_px / cell).pow(2).sum(dim=1, keepdim=True).add(1e-6).sqrt()
+    return (dist * head).sum() / head.sum().clamp(min=1.0)
+
+
 def decoder_step(vae: CausalVAE, opt: torch.optim.Optimizer, z: torch.Tensor, x: torch.Tensor,
-                 weight: torch.Tensor | None, *, reference: torch.Tensor | None = None
+                 weight: torch.Tensor | None, *, reference: DecoderReference | None = None,
+                 motion: tuple[torch.Tensor, torch.Tensor, float] | None = None,
                  ) -> tuple[torch.Tensor, dict[str, float]]:
     """One step of the decoder alone (``opt`` over its parameters): decode latents ``z`` to frames ``x``
     (:func:`recon_loss`, per-pixel ``weight``; ``reference``: ``vae.reference_features`` of each row's
-    reference, for a decoder that reads it), then :func:`vae_step`. Returns the loss and its parts."""
-    y, _ = vae.decode(z, clamp=False, reference=reference)
+    reference, for a decoder that reads it), then :func:`vae_step`. ``motion``: (shift, head, weight) of
+    one-frame rows, a decoder whose warp copies the reference also pays ``weight`` x :func:`motion_loss`
+    on where it read. Returns the loss and its parts."""
+    offsets: list[torch.Tensor] | None = [] if motion is not None else None
+    y, _ = vae.decode(z, clamp=False, reference=reference, offsets=offsets)
     loss, parts = recon_loss(y, x, weight)
+    if motion is not None:
+        if not offsets:
+            raise ValueError("decoder_step: a motion loss needs a decoder whose warp copies the reference "
+                             "(VAEConfig.ref_warp=True): pass motion=None for this one")
+        shift, head, w = motion
+        m = motion_loss(offsets[0][:, 0], shift, head, vae.cfg.factor // 2)
+        loss = loss + w * m
+        parts["motion"] = m.item()
     vae_step(vae, opt, loss)
     return loss, parts
 
@@ -283,7 +305,7 @@ def train_decoder(preset: ModelPreset, vae: CausalVAE, state_path: Path, *, minu
                   batch: int = 2, lr: float = DECODER_LR, log_every: int = 10, save_every_s: float = 120.0,
                   eval_frames: int = 16, threads: int | None = None, sr: nn.Module | None = None,
                   sr_noise: float = DECODER_SR_NOISE, detail_weight: float = 0.0,
-                  init_from: str = "") -> dict[str, float]:
+                  init_from: str = "", motion_weight: float = 0.0) -> dict[str, float]:
     """Fine-tune only the decoder of the final (frozen-encoder) VAE on full frames.
 
     With ``sr`` (a trained, frozen SR model) the decoder learns to decode what the pipeline actually
@@ -295,7 +317,12 @@ def train_decoder(preset: ModelPreset, vae: CausalVAE, state_path: Path, *, minu
     ``vae`` is updated in place; its weights are also in ``state_path`` (resumable).
     ``detail_weight``: as in :func:`train_vae`. ``init_from``: where ``vae``'s decoder came from, recorded
     in a fresh run's state (as :func:`~models.training.common.warm_start` records a warm start).
+    ``motion_weight``: for a decoder whose warp copies the reference, the weight of :func:`motion_loss`
+    (where the warp reads, against the head's true motion from the generator; 0: off).
     """
+    if motion_weight > 0.0 and vae.decoder.ref_gate is None:
+        raise ValueError(f"motion_weight={motion_weight}: this decoder does not warp the reference "
+                         "(VAEConfig.ref_warp=False), so there is nothing to teach where to read: pass 0")
     if threads:
         torch.set_num_threads(threads)
     vae.encoder.requires_grad_(False)
@@ -317,7 +344,9 @@ def train_decoder(preset: ModelPreset, vae: CausalVAE, state_path: Path, *, minu
     vae.decoder.train()
     while not budget.done():
         gen = step_generator(seed, st.step, 3)
-        x, refs, detail = sampler.draw(gen, batch, None, DETAIL_REGIONS if detail_weight > 0 else None)
+        cell = vae.cfg.factor // 2 if motion_weight > 0.0 else None  # the window's cells, in pixels
+        x, refs, detail, shift, head = sampler.draw(gen, batch, None, DETAIL_REGIONS if detail_weight > 0 else None,
+                                                    motion_cell=cell)
         for g in opt.param_groups:
             g["lr"] = cosine_lr(lr, budget.fraction, warmup=0.0)
         with torch.no_grad():
@@ -331,7 +360,8 @@ def train_decoder(preset: ModelPreset, vae: CausalVAE, state_path: Path, *, minu
                 z = sr(lr_z + sig * torch.randn(lr_z.shape, generator=gen), ref_z[:, :, 0])  # type: ignore[index]
         # a decoder that reads the reference reads the identity's (its features: through the decoder, trained)
         ref = vae.reference_features(refs[:, :, 0], ref_z) if reads else None
-        loss, parts = decoder_step(vae, opt, z, x, pixel_weight(detail, detail_weight), reference=ref)
+        motion = (shift, head, motion_weight) if shift is not None and head is not None else None
+        loss, parts = decoder_step(vae, opt, z, x, pixel_weight(detail, detail_weight), reference=ref, motion=motion)
         st.step += 1
         losses.add(loss=loss.item(), **parts)
         if st.step % log_every == 0:
@@ -344,6 +374,7 @@ def train_decoder(preset: ModelPreset, vae: CausalVAE, state_path: Path, *, minu
     st.elapsed_s = budget.elapsed_s
     st.extra["detail_weight"] = detail_weight
     st.extra["lr"] = lr
+    st.extra["motion_weight"] = motion_weight
     if sr is not None:
         st.extra["sr_noise"] = sr_noise
     if frames is not None:

@@ -281,3 +281,33 @@ def test_frame_truth_carries_pose_and_expression() -> None:
     img, truth = r.frame(40, 0.6, 0.2)
     assert truth.pose == r.motion.pose(40) and truth.blink == r.motion.blink(40) and truth.mouth_width == 0.2
     assert np.array_equal(img, r.face.render(truth.pose, 0.6, 0.2, truth.blink))
+
+
+@pytest.mark.parametrize("pose", [HeadPose(5.0, -3.0, 3.5, 1.03), HeadPose(-6.0, 4.0, -4.0, 0.97)])
+def test_reference_shift_is_where_the_head_came_from(pose: HeadPose) -> None:
+    """The reference sampled at each pixel plus its ``reference_shift`` is the frame drawn at the pose,
+    on the head (eyes open, mouth closed: nothing but the pose differs), up to resampling: a fraction
+    of a level, against several for the reference left in place; the background does not move. A cell's shift is its pixels' mean
+    (the map is affine), and a cell that does not divide the frame is refused."""
+    import torch
+    import torch.nn.functional as F
+
+    face = AvatarRenderer(_GLASSES).face
+    ref, frame = face.render(HeadPose()), face.render(pose)
+    shift = face.reference_shift(pose)
+    assert shift.shape == (2, 256, 256) and shift.dtype == np.float32
+    ys, xs = np.mgrid[0:256, 0:256] + 0.5
+    grid = torch.from_numpy(np.stack([(xs + shift[1]) / 128 - 1, (ys + shift[0]) / 128 - 1], -1)).float()[None]
+    warped = F.grid_sample(torch.from_numpy(ref).permute(2, 0, 1)[None].float(), grid, mode="bilinear",
+                           padding_mode="border", align_corners=False)[0].permute(1, 2, 0).numpy()
+    masks = face.region_masks(pose)
+    head = (masks["background"] == 0) & (masks["eyes"] == 0) & (masks["mouth"] == 0)
+    moved = np.abs(warped - frame).mean(-1)[head].mean()
+    still = np.abs(ref.astype(np.float32) - frame).mean(-1)[head].mean()
+    assert moved < 0.5 and still > 5.0, (moved, still)  # levels of 255: 0.06 against 7.6-10.3 as measured
+    assert float(np.abs(shift).mean()) > 1.0  # the pose moves the head by pixels
+    pooled = F.avg_pool2d(torch.from_numpy(shift)[None], 4)[0].numpy()
+    np.testing.assert_allclose(face.reference_shift(pose, 4), pooled, atol=1e-4)
+    assert np.array_equal(face.reference_shift(HeadPose(), 8), np.zeros((2, 32, 32), np.float32))
+    with pytest.raises(ValueError, match="cell=3: must divide the frame size 256"):
+        face.reference_shift(pose, 3)

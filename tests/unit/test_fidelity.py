@@ -399,3 +399,32 @@ def test_run_fidelity_from_another_first_identity(capsys: pytest.CaptureFixture[
         quality_main(["--fidelity", "--identities", "2", "--first-identity", "999"])
     assert exit_info.value.code == 2
     assert "--first-identity 999 --identities 2: held-out identities 999..1000" in capsys.readouterr().err
+
+
+def test_warp_error_scores_where_the_decoder_read_against_the_heads_motion() -> None:
+    """bench.warp_error: a read at the true source scores 0 px and follows 1; a read that stays
+    where each cell is misses the whole motion and follows 0; half the motion follows 0.5. Only the
+    head's cells count. The shipped checkpoint's warp, on a held-out clip, follows some of the motion."""
+    from bench.warp_error import ReadScore, clip_targets, warp_error
+
+    gt = AvatarRenderer(1_000_003, motion_seed=17)
+    drawn = [gt.frame(t, 0.3, 0.5) for t in range(0, 40, 8)]
+    true, head, still = clip_targets(gt, [tr.pose for _, tr in drawn], [tr for _, tr in drawn], 4)
+    assert true.shape == (5, 2, 64, 64) and head.shape == still.shape == (5, 64, 64)
+    assert head.any() and still.any() and not (still & ~head).any() and not head[:, 0].any()
+
+    def score(read: np.ndarray) -> dict[str, float]:
+        s = ReadScore()
+        s.add(read, true, head, still)
+        return s.summary()
+
+    exact, lazy, half = score(true.copy()), score(np.zeros_like(true)), score(true / 2)
+    assert exact["error_px"] == 0.0 and exact["followed"] == 1.0 and exact["cells"] == int(head.sum())
+    assert lazy["error_px"] == lazy["motion_px"] > 1.0 and lazy["followed"] == 0.0
+    assert half["followed"] == 0.5 and half["error_px"] == pytest.approx(lazy["motion_px"] / 2, abs=2e-3)
+    outside = true.copy()
+    outside[:, :, ~head.any(axis=0)] += 50.0  # reads off the head do not count
+    assert score(outside)["error_px"] == 0.0
+    out = warp_error(num_identities=1, seconds=0.64, chains=("vae",))
+    assert list(out) == ["vae"] and out["vae"]["cells"] > 0
+    assert 0.0 < out["vae"]["error_px"] < out["vae"]["motion_px"] and 0.2 < out["vae"]["followed"] < 1.2

@@ -184,7 +184,14 @@ def test_the_reference_warp_copies_the_reference_from_where_the_window_read() ->
         assert offset.shape == (2, 2, 16, 16)
         torch.testing.assert_close(offset[:, :, :15], torch.tensor([1.0, 0.0]).view(1, 2, 1, 1).expand(2, 2, 15, 16))
         gate.bias.fill_(2.0)  # fully open (the blend is clamped to [0, 1])
-        out, _ = vae.decode(z, reference=feats, clamp=False)
+        read: list[torch.Tensor] = []
+        out, _ = vae.decode(z, reference=feats, clamp=False, offsets=read)
+        # decode(offsets=) hands out where it read: (B, T, 2, h, w) in cells, the frames in order
+        assert len(read) == 1 and read[0].shape == (1, 2, 2, 16, 16)
+        torch.testing.assert_close(read[0][:, :, :, :15], torch.tensor([1.0, 0.0]).view(1, 1, 2, 1, 1).expand(1, 2, 2, 15, 16))
+        none: list[torch.Tensor] = []
+        plain.decode(z, reference=feats, offsets=none)
+        assert none == []  # a decoder without the warp reads nothing to hand out
     # rows above the last cell row take the reference one cell (cell pixels) lower
     torch.testing.assert_close(out[0, :, :, : -2 * cell], ref[:, :, None, cell : -cell].expand(1, 3, 2, -1, -1)[0],
                                atol=1e-5, rtol=0)

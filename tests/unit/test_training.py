@@ -30,8 +30,10 @@ from models.training.train_all import assemble_checkpoint, chain_decoder, final_
 from models.training.train_sr import blur_features, feature_crops, pixel_loss, sr_batch, sr_weights, train_sr
 from models.training.train_vae import (
     SCALE_FACTORS,
+    decoder_step,
     finalize_vae,
     heldout_psnr,
+    motion_loss,
     pixel_weight,
     plain_decoder,
     recon_loss,
@@ -102,16 +104,16 @@ def test_detail_map_marks_the_face_features_of_the_same_frames() -> None:
     exactly those regions of the generator's masks: on the face, never in the background."""
     sampler = FrameSampler("train", 64)
     x = sampler.batch(step_generator(0, 3), 6)
-    x2, _, detail = sampler.draw(step_generator(0, 3), 6, regions=DETAIL_REGIONS)
+    x2, _, detail, *_ = sampler.draw(step_generator(0, 3), 6, regions=DETAIL_REGIONS)
     assert detail is not None and torch.equal(x, x2) and detail.shape == (6, 1, 1, 64, 64)
     assert float(detail.min()) >= 0.0 and float(detail.max()) <= 1.0
     assert all(float(d.sum()) > 10 for d in detail)  # every frame shows some features
     assert float(detail[..., :4, :].sum()) == 0.0  # the top rows are background or hair
     # the map is the masks of exactly those regions: a region outside the set adds nothing
-    x3, _, brows = sampler.draw(step_generator(0, 3), 6, regions=("brows",))
+    x3, _, brows, *_ = sampler.draw(step_generator(0, 3), 6, regions=("brows",))
     assert brows is not None and torch.equal(x3, x) and 0 < float(brows.sum()) < float(detail.sum())
-    assert sampler.draw(step_generator(0, 3), 6)[2] is None
-    crops = FrameSampler("train", 64).draw(step_generator(0, 3), 6, crop=32, regions=DETAIL_REGIONS)[2]
+    assert sampler.draw(step_generator(0, 3), 6).detail is None
+    crops = FrameSampler("train", 64).draw(step_generator(0, 3), 6, crop=32, regions=DETAIL_REGIONS).detail
     assert crops is not None and crops.shape == (6, 1, 1, 32, 32)
     assert "glasses" in DETAIL_REGIONS and "skin" not in DETAIL_REGIONS
 
@@ -156,7 +158,7 @@ def test_scale_equivariance_adds_the_pooled_frames_reconstruction() -> None:
     the pooled frame from the decoded pooled latent; an indivisible latent is refused."""
     torch.manual_seed(0)
     vae = CausalVAE(small_preset().vae)
-    x, _, detail = FrameSampler("train", 64).draw(step_generator(0, 5), 2, regions=DETAIL_REGIONS)
+    x, _, detail, *_ = FrameSampler("train", 64).draw(step_generator(0, 5), 2, regions=DETAIL_REGIONS)
     w = pixel_weight(detail, 4.0)
     plain, pp = vae_loss(vae, x, step_generator(0, 1), 1e-5, w)
     total, sp = vae_loss(vae, x, step_generator(0, 1), 1e-5, w, scale_equivariance=0.5)
@@ -558,6 +560,7 @@ def test_decoder_fine_tune_on_a_shipped_checkpoint_keeps_its_other_modules(tmp_p
     assert meta["vae_chain_init_from"] == (f"base.safetensors (git abc, sha256 {_sha12(base)}): its chain decoder, "
                                            "2 steps, ? min, held-out PSNR ? dB")
     assert meta["vae_chain_lr"] == "0.0001" and meta["vae_chain_sr_noise"] == "0.25"
+    assert meta["vae_chain_motion_weight"] == "0"  # a plain decoder: no warp to teach
     # after a decoder stage of its own, the chain starts from that, not from the base's chain decoder
     cache2 = tmp_path / "cache2"
     reuse_vae(p, cache2, base)
@@ -846,3 +849,54 @@ def test_a_decoder_that_reads_the_reference_trains_on_each_frames_identity(tmp_p
     assert {k.split(".")[1] for k in set(own) - set(path.state_dict())} == {"ref_window", "ref_gate"}
     with pytest.raises(ValueError, match="scale_equivariance > 0 decodes pooled latents"):
         vae_loss(vae, frames, torch.Generator(), 1e-5, None, 0.25, reference=vae.reference_features(refs[:, :, 0]))
+
+
+def test_the_motion_loss_teaches_the_warp_where_the_head_came_from(tmp_path: Path) -> None:
+    """draw(motion_cell=) adds, to the same frames, where each cell's head came from in the reference
+    (the generator's pose) and the cells the head covers whole; motion_loss is the mean distance in
+    cells there (zero at the truth); steps on it move the warp's read towards the truth. train_decoder
+    records the weight, logs the part, and refuses it for a decoder without the warp."""
+    p = small_preset()
+    reads = dataclasses.replace(p, vae=dataclasses.replace(p.vae, ref_window_radius=1, ref_warp=True))
+    cell = reads.vae.factor // 2
+    sampler = FrameSampler("train", 64)
+    d = sampler.draw(step_generator(0, 2), 4, motion_cell=cell)
+    assert torch.equal(d.frames, sampler.draw(step_generator(0, 2), 4).frames)
+    assert d.shift is not None and d.head is not None
+    assert d.shift.shape == (4, 2, 16, 16) and d.head.shape == (4, 1, 16, 16)
+    assert 0.1 < float(d.head.mean()) < 0.6 and float(d.head[..., 0, :].sum()) == 0.0  # the top row: background
+    assert float(d.shift.abs().max()) > 0.5  # the heads are posed
+    with pytest.raises(ValueError, match="motion_cell=4 with crop=32"):
+        sampler.draw(step_generator(0, 2), 4, crop=32, motion_cell=cell)
+    truth = d.shift / cell
+    assert float(motion_loss(truth, d.shift, d.head, cell)) == pytest.approx(0.0, abs=1e-2)
+    away = truth + torch.tensor([0.0, 1.0]).view(1, 2, 1, 1)  # every read one cell right of the truth
+    assert float(motion_loss(away, d.shift, d.head, cell)) == pytest.approx(1.0, abs=1e-3)
+    assert float(motion_loss(away, d.shift, torch.zeros_like(d.head), cell)) == 0.0
+    # steps with the motion loss weighted far above the reconstruction move the read towards the truth;
+    # the same steps without it (weight 0: the loss still measured) leave it where it was
+    def fit(weight: float) -> list[float]:
+        torch.manual_seed(0)
+        vae = CausalVAE(reads.vae)
+        opt = torch.optim.Adam(vae.decoder.parameters(), lr=3e-3)
+        with torch.no_grad():
+            z, ref_z = vae.encode(d.frames), vae.encode(d.refs)
+        seen = []
+        for _ in range(30):
+            ref = vae.reference_features(d.refs[:, :, 0], ref_z)
+            _, parts = decoder_step(vae, opt, z, d.frames, None, reference=ref, motion=(d.shift, d.head, weight))
+            seen.append(parts["motion"])
+        return seen
+
+    taught, control = fit(20.0), fit(0.0)
+    assert taught[0] == control[0] and taught[-1] < 0.6 * control[-1], (taught, control)
+    vae, z = CausalVAE(reads.vae), torch.zeros(4, p.vae.latent_channels, 1, 8, 8)
+    plain = CausalVAE(p.vae)
+    with pytest.raises(ValueError, match="needs a decoder whose warp copies the reference"):
+        decoder_step(plain, torch.optim.Adam(plain.decoder.parameters()), z, d.frames, None,
+                     motion=(d.shift, d.head, 1.0))
+    with pytest.raises(ValueError, match="motion_weight=0.5: this decoder does not warp the reference"):
+        train_decoder(p, plain, tmp_path / "plain.pt", minutes=0.01, eval_frames=0, motion_weight=0.5)
+    out = train_decoder(reads, vae, tmp_path / "dec.pt", minutes=0.02, eval_frames=0, motion_weight=0.25)
+    assert out["steps"] >= 1 and out["motion_weight"] == 0.25
+    assert all("motion" in json.loads(line) for line in (tmp_path / "dec.jsonl").read_text().splitlines())
