@@ -115,14 +115,17 @@ def _reference(vae: torch.nn.Module, ref_rgb: torch.Tensor) -> tuple[torch.Tenso
 
 
 def _chains(mods: dict[str, torch.nn.Module], x: torch.Tensor, ref: tuple[torch.Tensor, DecoderReference | None],
-            names: tuple[str, ...] = ("vae", "sr")) -> dict[str, tuple[torch.Tensor, list[np.ndarray]]]:
+            names: tuple[str, ...] = ("vae", "sr"), offsets: dict[str, list[torch.Tensor]] | None = None,
+            ) -> dict[str, tuple[torch.Tensor, list[np.ndarray]]]:
     """Frames ``x`` (1, 3, T, H, W) in [-1, 1] through encode -> decode ("vae") and/or encode ->
     to_lowres -> SR -> decode ("sr"), ``ref`` (:func:`_reference`) given to the SR and the decoder: each
-    chain's output tensor and its uint8 frames."""
+    chain's output tensor and its uint8 frames. ``offsets``: per chain, a list that a decoder whose warp
+    copies the reference appends its read to (``CausalVAE.decode(offsets=)``; ``bench.warp_error``)."""
     vae = mods["vae"]
     ref_z, ref_features = ref
     z = vae.encode(x)  # type: ignore[operator]
-    outs = {name: vae.decode(z if name == "vae" else mods["sr"](vae.to_lowres(z), ref_z), reference=ref_features)[0]  # type: ignore[operator]
+    outs = {name: vae.decode(z if name == "vae" else mods["sr"](vae.to_lowres(z), ref_z),  # type: ignore[operator]
+                             reference=ref_features, offsets=None if offsets is None else offsets[name])[0]
             for name in names}
     return {k: (y, list(((y[0].permute(1, 2, 3, 0) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).numpy()))
             for k, y in outs.items()}

@@ -30,30 +30,29 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from bench.machine import machine
-from bench.reconstruction import CHAINS, _reference, load_modules, parse_chains
-from models.avatars.dataset import FPS, IDENTITY_SPLITS, AvatarRenderer
+from bench.reconstruction import CHAIN_BATCH, CHAINS, _chains, _reference, load_modules, parse_chains
+from models.avatars.dataset import FPS, IDENTITY_SPLITS, AvatarRenderer, FrameTruth
 from models.training.data import to_unit
 
 # the features that move only with the head: the reference's are the frame's, so the warp should copy them
 STILL_FEATURES: tuple[str, ...] = ("hair", "brows", "nose", "glasses", "earrings", "hat")
-FRAMES_PER_PASS = 16  # frames encoded and decoded together, as bench.reconstruction's chains
 
 
-def clip_targets(gt: AvatarRenderer, poses: list, truths: list, cell: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per frame, the true source ``(T, 2, h, w)`` (dy, dx px), the cells the head covers whole and
-    those of them :data:`STILL_FEATURES` cover at least half, both ``(T, h, w)`` bool."""
+def clip_targets(gt: AvatarRenderer, truths: list[FrameTruth], cell: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per frame, the true source ``(T, 2, h, w)`` (dy, dx px) and the cells the head covers whole
+    (``AvatarRenderer.head_motion``), and those of them :data:`STILL_FEATURES` cover at least half, both
+    ``(T, h, w)`` bool."""
     shifts, heads, details = [], [], []
-    for pose, truth in zip(poses, truths, strict=True):
-        shifts.append(gt.face.reference_shift(pose, cell))
-        masks = gt.face.region_masks(pose, truth.mouth_open, truth.mouth_width, truth.blink)
-        head = F.avg_pool2d(torch.from_numpy(1.0 - masks["background"])[None], cell)[0].numpy() >= 0.999
-        feat = np.clip(sum(masks[r] for r in STILL_FEATURES if r in masks), 0.0, 1.0)
-        detail = F.avg_pool2d(torch.from_numpy(np.asarray(feat, np.float32))[None], cell)[0].numpy() >= 0.5
+    n = gt.face.size // cell
+    for truth in truths:
+        shift, head = gt.head_motion(truth, cell)
+        masks = gt.face.region_masks(truth.pose, truth.mouth_open, truth.mouth_width, truth.blink, names=STILL_FEATURES)
+        feat = np.clip(sum(masks.values()), 0.0, 1.0)
+        shifts.append(shift)
         heads.append(head)
-        details.append(detail & head)
+        details.append(head & (feat.reshape(n, cell, n, cell).mean(axis=(1, 3)) >= 0.5))
     return np.stack(shifts), np.stack(heads), np.stack(details)
 
 
@@ -97,8 +96,8 @@ def warp_error(num_identities: int = 20, seconds: float = 2.0, seed: int = 0, ch
     ``bench.fidelity``'s ground truth)."""
     from bench.quality import heldout_speech, normalize_loudness
 
-    mods, preset = load_modules(checkpoint)
-    vae, sr = mods["vae"], mods["sr"]
+    mods = load_modules(checkpoint)[0]
+    vae = mods["vae"]
     if vae.decoder.ref_gate is None:  # type: ignore[union-attr]
         raise ValueError("this checkpoint's decoder does not warp the reference (VAEConfig.ref_warp=False): "
                          "there is no read to score")
@@ -110,18 +109,14 @@ def warp_error(num_identities: int = 20, seconds: float = 2.0, seed: int = 0, ch
         gt = AvatarRenderer(lo + k, motion_seed=seed + 17)
         audio = normalize_loudness(heldout_speech(seconds, seed + k))
         drawn = list(gt.stream(audio, num_frames=n))
-        frames = [f for f, _ in drawn]
-        truths = [t for _, t in drawn]
-        shift, head, detail = clip_targets(gt, [t.pose for t in truths], truths, cell)
-        ref_z, ref_features = _reference(vae, to_unit(gt.reference())[None])
-        for i in range(0, n, FRAMES_PER_PASS):
-            x = to_unit(np.stack(frames[i : i + FRAMES_PER_PASS])).transpose(0, 1)[None]
-            z = vae.encode(x)  # type: ignore[operator]
+        shift, head, detail = clip_targets(gt, [t for _, t in drawn], cell)
+        ref = _reference(vae, to_unit(gt.reference())[None])
+        for i in range(0, n, CHAIN_BATCH):
+            x = to_unit(np.stack([f for f, _ in drawn[i : i + CHAIN_BATCH]])).transpose(0, 1)[None]
+            offsets: dict[str, list[torch.Tensor]] = {c: [] for c in chains}
+            _chains(mods, x, ref, chains, offsets)
             for c in chains:
-                offsets: list[torch.Tensor] = []
-                zz = z if c == "vae" else sr(vae.to_lowres(z), ref_z)  # type: ignore[operator]
-                vae.decode(zz, reference=ref_features, offsets=offsets)  # type: ignore[operator]
-                read = offsets[0][0].numpy() * cell  # (T, 2, h, w) px
+                read = offsets[c][0][0].numpy() * cell  # (T, 2, h, w) px
                 t = slice(i, i + read.shape[0])
                 scores[c].add(read, shift[t], head[t], detail[t])
     return {c: score.summary() for c, score in scores.items()}

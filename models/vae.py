@@ -268,10 +268,10 @@ class Decoder(nn.Module):
         # the up-sampling path is per frame: run it a few frames at a time, so its temporaries (16
         # channels at full resolution, the window's attention) follow FRAMES_PER_PASS, not the emission
         y_BTCHW, g = y.view(B, T, *y.shape[1:]), self.FRAMES_PER_PASS
-        read: list[Tensor] | None = [] if offsets is not None and self.ref_gate is not None else None
+        read: list[Tensor] | None = [] if offsets is not None else None  # each pass's, when asked
         parts = [self._up(y_BTCHW[:, t:t + g].reshape(-1, *y.shape[1:]).contiguous(memory_format=torch.channels_last),
                           reference, min(g, T - t), read) for t in range(0, T, g)]
-        if offsets is not None and read is not None:
+        if offsets is not None and read:  # only a decoder whose warp copies the reference reads
             offsets.append(torch.cat([o.view(B, -1, *o.shape[1:]) for o in read], dim=1))
         return torch.cat([part.view(B, -1, *part.shape[1:]) for part in parts], dim=1), new
 

@@ -128,6 +128,18 @@ class AvatarRenderer:
                 share += m / area
         return np.clip(union, 0.0, 1.0), share
 
+    def head_motion(self, truth: FrameTruth, cell: int) -> tuple[np.ndarray, np.ndarray]:
+        """Where the head of the frame ``truth`` describes came from in the reference, per ``cell`` x
+        ``cell`` cell (``FaceRenderer.reference_shift``: ``(2, h, w)``, dy, dx in pixels), and the cells
+        the head covers whole, the ones that shift holds for (``(h, w)`` bool; the head's coverage from
+        one ``region_masks`` call). Read by the decoder's motion loss (``FrameSampler.draw``) and
+        ``bench.warp_error``."""
+        bg = self.face.region_masks(truth.pose, truth.mouth_open, truth.mouth_width, truth.blink,
+                                    names=("background",))["background"]
+        n = self.face.size // cell
+        head = (1.0 - bg).reshape(n, cell, n, cell).mean(axis=(1, 3)) >= 0.999
+        return self.face.reference_shift(truth.pose, cell), head
+
     def frame(self, index: int, mouth_open: float, mouth_width: float) -> tuple[np.ndarray, FrameTruth]:
         pose, blink = self.motion.pose(index), self.motion.blink(index)
         img = self.face.render(pose, mouth_open, mouth_width, blink)

@@ -369,23 +369,17 @@ class FaceRenderer:
 
     def reference_shift(self, pose: HeadPose, cell: int = 1) -> np.ndarray:
         """Where the head drawn at ``pose`` came from in the reference (drawn at ``HeadPose()``): for
-        the centre of each ``cell`` x ``cell`` block of the frame, the reference's point that the head's
-        placement maps there, minus the centre: ``(2, size/cell, size/cell)`` float32, (dy, dx) in pixels
-        (the inverse of :meth:`_affine`'s placement). The head's rigid motion only: meaningful where the
-        frame shows the head (the background does not move: there it is zero); the eyes and mouth change
-        shape besides. Who reads it: the decoder's training (``train_vae.train_decoder``'s motion loss
-        on where its reference window reads) and ``bench.warp_error``."""
+        the centre of each ``cell`` x ``cell`` block of the frame, the point :meth:`_affine`'s map (the
+        head's placement, inverted) sends it to, minus the centre: ``(2, size/cell, size/cell)`` float32,
+        (dy, dx) in pixels. The head's rigid motion, computed for every cell: it means something where
+        the frame shows the head (the background does not move, and the eyes and mouth change shape
+        besides). Who reads it: ``AvatarRenderer.head_motion`` (the decoder's motion loss, ``bench.warp_error``)."""
         if cell < 1 or self.size % cell:
             raise ValueError(f"cell={cell}: must divide the frame size {self.size}")
-        cx, cy = self._center
-        a = math.radians(pose.angle_deg)
-        ca, sa = math.cos(a) / pose.scale, math.sin(a) / pose.scale
+        a, b, c, d, e, f = self._affine(pose, 0, 0, 0.0, 0.0)  # full-frame pixels to full-frame pixels
         centres = (np.arange(self.size // cell, dtype=np.float64) + 0.5) * cell
-        u = centres[None, :] - cx - pose.dx  # (1, w): x - c - t
-        v = centres[:, None] - cy - pose.dy  # (h, 1)
-        qx = ca * u + sa * v + cx  # R^T (p - c - t) / s + c
-        qy = -sa * u + ca * v + cy
-        return np.stack([qy - centres[:, None], qx - centres[None, :]]).astype(np.float32)
+        x, y = centres[None, :], centres[:, None]
+        return np.stack([d * x + e * y + f - y, a * x + b * y + c - x]).astype(np.float32)
 
     def _forward(self, pose: HeadPose, x: float, y: float) -> tuple[float, float]:
         cx, cy = self._center

@@ -22,7 +22,6 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from models.avatars.dataset import IDENTITY_SPLITS, AvatarRenderer, FrameTruth, render_clip
 from models.avatars.speech import SpeechSynth
@@ -109,11 +108,9 @@ class FrameSampler:
             refs.append(to_unit(r.reference()))
             d = None if regions is None else torch.from_numpy(r.coverage(truth, regions)[0])[None]  # (1, S, S)
             if motion_cell is not None:
-                shifts.append(torch.from_numpy(r.face.reference_shift(truth.pose, motion_cell)))
-                bg = r.face.region_masks(truth.pose, truth.mouth_open, truth.mouth_width, truth.blink,
-                                         names=("background",))["background"]
-                head = torch.from_numpy(1.0 - bg)[None, None]
-                heads.append((F.avg_pool2d(head, motion_cell)[0] >= 0.999).float())
+                shift, head = r.head_motion(truth, motion_cell)
+                shifts.append(torch.from_numpy(shift))
+                heads.append(torch.from_numpy(head)[None].float())
             if crop is not None and crop < self.size:
                 y0, x0 = (int(v) for v in torch.randint(0, (self.size - crop) // 8 + 1, (2,), generator=gen) * 8)
                 x = x[:, y0 : y0 + crop, x0 : x0 + crop]

@@ -339,12 +339,12 @@ def train_decoder(preset: ModelPreset, vae: CausalVAE, state_path: Path, *, minu
     eval_refs = frame_refs if reads else None
     if frames is not None and "start_psnr_db" not in st.extra:
         st.extra["start_psnr_db"] = heldout_psnr(vae.eval(), frames, sr, references=eval_refs)
+    cell = vae.cfg.factor // 2 if motion_weight > 0.0 else None  # the warp's cells, in pixels (motion loss)
     budget = Budget(minutes, st.elapsed_s)  # training time: starts after the start-of-run scoring
     last_save = budget.elapsed_s
     vae.decoder.train()
     while not budget.done():
         gen = step_generator(seed, st.step, 3)
-        cell = vae.cfg.factor // 2 if motion_weight > 0.0 else None  # the window's cells, in pixels
         x, refs, detail, shift, head = sampler.draw(gen, batch, None, DETAIL_REGIONS if detail_weight > 0 else None,
                                                     motion_cell=cell)
         for g in opt.param_groups:

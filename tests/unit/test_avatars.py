@@ -12,6 +12,7 @@ from models.avatars.dataset import (
     IDENTITY_SPLITS,
     AvatarClipDataset,
     AvatarRenderer,
+    FrameTruth,
     MotionTrack,
     identity_for,
     render_clip,
@@ -287,8 +288,9 @@ def test_frame_truth_carries_pose_and_expression() -> None:
 def test_reference_shift_is_where_the_head_came_from(pose: HeadPose) -> None:
     """The reference sampled at each pixel plus its ``reference_shift`` is the frame drawn at the pose,
     on the head (eyes open, mouth closed: nothing but the pose differs), up to resampling: a fraction
-    of a level, against several for the reference left in place; the background does not move. A cell's shift is its pixels' mean
-    (the map is affine), and a cell that does not divide the frame is refused."""
+    of a level, against several for the reference left in place. A cell's shift is its pixels' mean
+    (the map is affine), and a cell that does not divide the frame is refused. ``AvatarRenderer.head_motion``
+    gives it per cell with the cells the head covers whole: inside the head's outline, never the border."""
     import torch
     import torch.nn.functional as F
 
@@ -309,5 +311,12 @@ def test_reference_shift_is_where_the_head_came_from(pose: HeadPose) -> None:
     pooled = F.avg_pool2d(torch.from_numpy(shift)[None], 4)[0].numpy()
     np.testing.assert_allclose(face.reference_shift(pose, 4), pooled, atol=1e-4)
     assert np.array_equal(face.reference_shift(HeadPose(), 8), np.zeros((2, 32, 32), np.float32))
+    r = AvatarRenderer(_GLASSES)
+    truth = FrameTruth(0.0, r.reference_mouth_box(), r.reference_face_box(), pose=pose)
+    cells, whole = r.head_motion(truth, 4)
+    np.testing.assert_array_equal(cells, face.reference_shift(pose, 4))
+    inside = masks["background"].reshape(64, 4, 64, 4).max(axis=(1, 3)) == 0  # no background pixel in the cell
+    assert whole.shape == (64, 64) and whole.any() and not whole[0].any() and not whole[:, 0].any()
+    assert not (inside & ~whole).any() and (whole == inside).mean() > 0.99  # at the outline: coverage >= 0.999
     with pytest.raises(ValueError, match="cell=3: must divide the frame size 256"):
         face.reference_shift(pose, 3)

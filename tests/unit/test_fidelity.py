@@ -409,7 +409,7 @@ def test_warp_error_scores_where_the_decoder_read_against_the_heads_motion() -> 
 
     gt = AvatarRenderer(1_000_003, motion_seed=17)
     drawn = [gt.frame(t, 0.3, 0.5) for t in range(0, 40, 8)]
-    true, head, still = clip_targets(gt, [tr.pose for _, tr in drawn], [tr for _, tr in drawn], 4)
+    true, head, still = clip_targets(gt, [tr for _, tr in drawn], 4)
     assert true.shape == (5, 2, 64, 64) and head.shape == still.shape == (5, 64, 64)
     assert head.any() and still.any() and not (still & ~head).any() and not head[:, 0].any()
 
