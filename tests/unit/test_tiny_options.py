@@ -320,9 +320,9 @@ def test_audio_guidance_peak_reaches_the_a2v(speech) -> None:  # type: ignore[no
 
 
 def test_the_shipped_checkpoint_is_the_one_its_model_card_describes() -> None:
-    """models/checkpoints/tiny.safetensors, the twelfth checkpoint (the eleventh, whose SHA-256 its
+    """models/checkpoints/tiny.safetensors, the thirteenth checkpoint (the eleventh, whose SHA-256 its
     base_checkpoint names, with its chain decoder, which reads the reference, trained 40 more minutes on
-    the SR's outputs of inputs noised up to 0.6), is what a request without a checkpoint renders with (every other test here renders it,
+    the SR's outputs of inputs noised up to 1.0), is what a request without a checkpoint renders with (every other test here renders it,
     strictly loaded), and its metadata records the recipe models/checkpoints/MODEL_CARD.md and
     docs/training.md give."""
     from pathlib import Path
@@ -337,8 +337,8 @@ def test_the_shipped_checkpoint_is_the_one_its_model_card_describes() -> None:
     assert meta["sr_feature_blur"] == "0.8" and meta["vae_scale_equivariance"] == "0.25"
     assert meta["latent_clips"] == "960" and meta["a2v_lr"] == "0.0002" and meta["sr_pixel_weight"] == "6"
     assert meta["sr_steps"] == "6022" and meta["base_checkpoint"] == "eleventh.safetensors (git 9a1f231, sha256 a9271d28eaf1)"
-    assert meta["vae_chain_steps"] == "3466" and meta["vae_chain_minutes"] == "40.0" and meta["chain_heldout_psnr_db"] == "32.80"
-    assert meta["vae_chain_sr_noise"] == "0.6" and meta["vae_chain_lr"] == "0.0005"
+    assert meta["vae_chain_steps"] == "3926" and meta["vae_chain_minutes"] == "40.0" and meta["chain_heldout_psnr_db"] == "32.04"
+    assert meta["vae_chain_sr_noise"] == "1" and meta["vae_chain_lr"] == "0.0005"
     assert meta["vae_chain_init_from"].endswith("its chain decoder, 9009 steps, 60.0 min, held-out PSNR 33.11 dB")
     # its decoder reads the reference, as the preset's does: the window and the warp's gate are in the file
     assert get_preset("tiny").vae.ref_window_radius == 3 and get_preset("tiny").vae.ref_warp
