@@ -76,12 +76,6 @@ class FrameSampler:
     def batch(self, gen: torch.Generator, batch: int, crop: int | None = None) -> torch.Tensor:
         return self.draw(gen, batch, crop).frames
 
-    def batch_with_reference(self, gen: torch.Generator, batch: int, crop: int | None = None
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(frames, the identities' neutral reference frames), both ``(B, 3, 1, S, S)``."""
-        d = self.draw(gen, batch, crop)
-        return d.frames, d.refs
-
     def draw(self, gen: torch.Generator, batch: int, crop: int | None = None,
              regions: tuple[str, ...] | None = None, motion_cell: int | None = None) -> DrawnFrames:
         """A batch (:class:`DrawnFrames`): the frames, the identities' neutral reference frames, and
@@ -130,7 +124,8 @@ def heldout_frames(count: int, size: int = 256, seed: int = 12345) -> torch.Tens
 
 def heldout_frames_with_reference(count: int, size: int = 256, seed: int = 12345) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`heldout_frames` and each frame's identity's neutral reference, both ``(count, 3, 1, size, size)``."""
-    return FrameSampler("heldout", size).batch_with_reference(torch.Generator().manual_seed(seed), count)
+    drawn = FrameSampler("heldout", size).draw(torch.Generator().manual_seed(seed), count)
+    return drawn.frames, drawn.refs
 
 
 def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
