@@ -1,7 +1,8 @@
 """Where a decoder that copies the reference reads it, against where the head really came from.
 
 A decoder with ``VAEConfig.ref_warp`` blends each output pixel towards the reference's pixels taken
-from where its window read (the attention's expected offset, ``CausalVAE.decode(offsets=)``). The
+from where its window read (the attention's expected offset, or with ``ref_warp_rigid`` the rigid read
+fitted to it: ``CausalVAE.decode(offsets=)`` hands out the one the warp copies from). The
 generator knows where every pixel of the head came from: the head is the reference's, moved by the
 frame's pose (``FaceRenderer.reference_shift``). This scores the read against it on held-out
 ground-truth clips (the identities, voices and motion ``bench.quality --fidelity`` scores), through

@@ -271,28 +271,40 @@ class ReferenceWindowAttention(nn.Module):
         24-27 slid, one thread; docs/models.md)."""
         return self._attend(z_NCHW, ref, False)[0]
 
-    def forward_with_offset(self, z_NCHW: Tensor, ref: Tensor | WindowKeys) -> tuple[Tensor, Tensor]:
+    def forward_with_offset(self, z_NCHW: Tensor, ref: Tensor | WindowKeys) -> tuple[Tensor, Tensor, Tensor]:
         """:meth:`forward`, and where each cell read the reference from: the attention's expected offset
         ``(B*T, 2, H, W)`` (dy, dx) in cells, averaged over the heads (a soft-argmax: between cells where
-        the attention spreads over neighbours)."""
-        out, offset = self._attend(z_NCHW, ref, True)
-        assert offset is not None
-        return out, offset
+        the attention spreads over neighbours), and how far the attention spreads around it ``(B*T, 1,
+        H, W)``: its variance in cells², averaged over the heads (near 0 where a cell matched one place,
+        large on flat skin, where every offset matches)."""
+        out, read = self._attend(z_NCHW, ref, True)
+        assert read is not None
+        return out, read[0], read[1]
 
-    def _attend(self, z_NCHW: Tensor, ref: Tensor | WindowKeys, with_offset: bool) -> tuple[Tensor, Tensor | None]:
-        """The frames with the residual added, and the expected offset when asked."""
+    def _attend(self, z_NCHW: Tensor, ref: Tensor | WindowKeys, with_offset: bool
+                ) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+        """The frames with the residual added, and the expected offset and its spread when asked."""
         if isinstance(ref, Tensor):
             read, offset = self._slide(z_NCHW, ref, with_offset)
         else:
             read, offset = self._gathered(z_NCHW, ref, with_offset)
         return z_NCHW + self.out(F.gelu(self.out_in(torch.cat([read, z_NCHW], dim=1)))), offset
 
+    @staticmethod
+    def _moments(attn: Tensor, shifts: Tensor) -> tuple[Tensor, Tensor]:
+        """Per head, the expected offset ``(..., 2)`` and the variance ``(..., 1)`` of attention
+        ``(..., K)`` over the window's offsets ``shifts`` ``(K, 2)``."""
+        mean = attn @ shifts
+        var = attn @ shifts.pow(2).sum(dim=-1, keepdim=True) - mean.pow(2).sum(dim=-1, keepdim=True)
+        return mean, var.clamp(min=0.0)
+
     def _shifts(self, like: Tensor) -> Tensor:
         """The window's ``K`` offsets ``(K, 2)`` (dy, dx), row-major: the order of its attention."""
         side = torch.arange(-self.radius, self.radius + 1, dtype=like.dtype, device=like.device)
         return torch.stack(torch.meshgrid(side, side, indexing="ij"), dim=-1).reshape(-1, 2)
 
-    def _slide(self, z_NCHW: Tensor, ref_BCHW: Tensor, with_offset: bool) -> tuple[Tensor, Tensor | None]:
+    def _slide(self, z_NCHW: Tensor, ref_BCHW: Tensor, with_offset: bool
+               ) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
         """What each cell read ``(B*T, dim, H, W)``, one slice of the padded key and value maps per offset."""
         N, C, H, W = z_NCHW.shape
         B, r = ref_BCHW.shape[0], self.radius
@@ -316,10 +328,13 @@ class ReferenceWindowAttention(nn.Module):
             read = read + attn[:, :, :, i, None] * v_pad[..., dy:dy + H, dx:dx + W]
         offset = None
         if with_offset:
-            offset = torch.einsum("bthkyx,kc->btcyx", attn, self._shifts(attn)).div(heads).reshape(N, 2, H, W)
+            mean, var = self._moments(attn.movedim(3, -1), self._shifts(attn))  # (B, T, heads, H, W, 2 | 1)
+            offset = (mean.mean(dim=2).movedim(-1, 2).reshape(N, 2, H, W),
+                      var.mean(dim=2).movedim(-1, 2).reshape(N, 1, H, W))
         return read.reshape(N, self.dim, H, W), offset
 
-    def _gathered(self, z_NCHW: Tensor, keys: WindowKeys, with_offset: bool) -> tuple[Tensor, Tensor | None]:
+    def _gathered(self, z_NCHW: Tensor, keys: WindowKeys, with_offset: bool
+                  ) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
         """What each cell read ``(B*T, dim, H, W)``, two small matrix products per cell over its gathered
         keys and values (:meth:`read`)."""
         N, C, H, W = z_NCHW.shape
@@ -338,5 +353,7 @@ class ReferenceWindowAttention(nn.Module):
         read = (attn @ keys.v).permute(0, 3, 2, 1, 4).reshape(N, H, W, self.dim).permute(0, 3, 1, 2)
         offset = None
         if with_offset:
-            offset = (attn @ self._shifts(attn)).mean(dim=1).permute(0, 2, 3, 1).reshape(N, 2, H, W)
+            mean, var = self._moments(attn, self._shifts(attn))  # (B, heads, HW, T, 2 | 1)
+            offset = (mean.mean(dim=1).permute(0, 2, 3, 1).reshape(N, 2, H, W),
+                      var.mean(dim=1).permute(0, 2, 3, 1).reshape(N, 1, H, W))
         return read, offset

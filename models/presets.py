@@ -99,6 +99,11 @@ class VAEConfig:
     # and copies the reference's pixels: each output pixel blends, by a gate the decoder predicts (starting
     # at 0), towards the reference warped by where the window read (its attention's expected offset)
     ref_warp: bool = False
+    # and reads it rigidly: per frame, a head moved by one similarity map (shift, rotation, scale) fitted
+    # to the reads, weighted by how sure each cell's attention is, and what stands still, read in place
+    # (``models.vae.rigid_read``; no weights of its own). Takes out the per-cell jitter of the read, which
+    # bent the noses, brows and glasses it copied (docs/quality.md). Inert without ref_warp
+    ref_warp_rigid: bool = False
 
 
 @dataclass(frozen=True)
@@ -266,9 +271,12 @@ def _tiny() -> ModelPreset:
             dec_blocks=(0, 1),
             temporal_kernel=3,
             lowres_factor=2,
-            # the decoder reads the reference and copies its pixels from where it read (docs/quality.md)
+            # the decoder reads the reference and copies its pixels from where it read, rigidly: nose /
+            # hair / hat 1.41 / 1.56 / 1.38 -> 0.19 / 0.69 / 0.68x ground truth's distance (held-out 0-19;
+            # docs/quality.md)
             ref_window_radius=3,
             ref_warp=True,
+            ref_warp_rigid=True,
         ),
         audio=audio,
         text=text,

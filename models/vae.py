@@ -221,6 +221,7 @@ class Decoder(nn.Module):
             self.ref_gate = nn.Conv2d(ch[-2], 1, 3, padding=1)  # starts at zero: the plain decoder's output
             for t in self.ref_gate.parameters():
                 nn.init.zeros_(t)
+        self.rigid = cfg.ref_warp and cfg.ref_warp_rigid  # how the warp reads: nothing to say without it
 
     @property
     def blocks(self) -> list[nn.Module]:
@@ -277,14 +278,17 @@ class Decoder(nn.Module):
 
     def _up(self, y: Tensor, reference: DecoderReference | None, T: int, offsets: list[Tensor] | None = None) -> Tensor:
         """The per-frame path, from the latent level's features ``(B*T, C, h, w)`` to RGB; ``offsets``
-        gets where the warp read (``(B*T, 2, h', w')``, cells of the window's level)."""
+        gets where the warp read (``(B*T, 2, h', w')``, cells of the window's level; with
+        ``VAEConfig.ref_warp_rigid`` the fitted read the warp copies from)."""
         blend: tuple[Tensor, Tensor] | None = None  # the warp's gate and the warped reference
         for i, blk in enumerate(self.up):
             if i == self.ref_at and reference is not None and self.ref_window is not None:
                 if self.ref_gate is None:
                     y = self.ref_window(y, reference.source)
                 else:
-                    y, offset = self.ref_window.forward_with_offset(y, reference.source)
+                    y, offset, spread = self.ref_window.forward_with_offset(y, reference.source)
+                    if self.rigid:
+                        offset = rigid_read(offset, spread)
                     blend = self.ref_gate(y), self._warp(reference.rgb, offset, T)
                     if offsets is not None:
                         offsets.append(offset)
@@ -305,6 +309,74 @@ class Decoder(nn.Module):
         xs = torch.arange(W, dtype=rgb.dtype, device=rgb.device)[None, :] + 0.5 + shift[:, 1]
         grid = torch.stack([xs / W * 2 - 1, ys / H * 2 - 1], dim=-1)  # (N, H, W, 2): x, y in [-1, 1]
         return F.grid_sample(rgb, grid, mode="bilinear", padding_mode="border", align_corners=False)
+
+
+RIGID_SPREAD_FLOOR = 0.1  # cells²: a cell counts 1 / (its attention's spread + this) in the fit and the vote
+RIGID_ROBUST_CELLS = 0.5  # cells: a cell this far off the head's map counts half in its next fit (Cauchy)
+RIGID_MARGIN = 0.25  # cells²: how much better the head's map must explain a neighbourhood than standing still
+RIGID_ITERATIONS = 4  # fit-and-assign rounds
+RIGID_HEAD_SHARE = 0.1  # a head holds at least this share of the frame's cells (tiny's: about a third)
+
+
+def rigid_read(offset_N2hw: Tensor, spread_N1hw: Tensor) -> Tensor:
+    """A warp's read made rigid, per frame: two layers, the head, moved by a similarity map (dy, dx,
+    rotation, scale about the map's centre; 4 parameters), and what stands still (offset 0). Each round
+    fits the head's map by weighted least squares to the reads of the cells it holds (each cell weighted
+    by how sure its attention is, ``spread``: its variance in cells², ``forward_with_offset``, and less
+    the farther it lies off the map: the mouth and eyes move on their own), then gives each cell to the
+    head where, over its 3x3 neighbourhood, the map explains the reads better than standing still by
+    :data:`RIGID_MARGIN` (so a flat cell whose read jitters goes with its neighbours, and a head that did
+    not move stays in place rather than the map chasing the jitter), and only when those cells are at
+    least :data:`RIGID_HEAD_SHARE` of the frame (a mouth moving alone under a still head is not one).
+    The first fit takes every cell; each cell then reads by its layer. Why: the per-cell read jitters
+    by a pixel or two where the attention spreads (flat skin) and beside what moves (the nostrils over an
+    opening mouth), and a small feature copied across that jitter comes out bent (docs/quality.md).
+    Differentiable in the reads."""
+    dtype = offset_N2hw.dtype
+    o, spread = offset_N2hw.float(), spread_N1hw.float()
+    N, _, h, w = o.shape
+    ys = torch.arange(h, dtype=o.dtype, device=o.device) - (h - 1) / 2
+    xs = torch.arange(w, dtype=o.dtype, device=o.device) - (w - 1) / 2
+    y, x = ys.view(1, h, 1), xs.view(1, 1, w)
+    sy, sx = y + o[:, 0], x + o[:, 1]  # (N, h, w): where each cell read
+    sure = 1.0 / (spread[:, 0] + RIGID_SPREAD_FLOOR)
+    still = o.pow(2).sum(dim=1)  # each cell's squared distance from reading in place
+    weight = sure
+
+    def total(t: Tensor) -> Tensor:
+        return t.sum(dim=(1, 2))
+
+    for _ in range(RIGID_ITERATIONS):
+        # the map sy = a y + b x + ty, sx = a x - b y + tx by weighted least squares: its normal equations
+        # written out (the similarity's are sparse), solved per frame
+        sw, swy, swx = total(weight), total(weight * y), total(weight * x)
+        swr = total(weight * (y * y + x * x))
+        z0 = torch.zeros_like(sw)
+        lhs = torch.stack([torch.stack([swr, z0, swy, swx], -1), torch.stack([z0, swr, swx, -swy], -1),
+                           torch.stack([swy, swx, sw, z0], -1), torch.stack([swx, -swy, z0, sw], -1)], dim=1)
+        rhs = torch.stack([total(weight * (y * sy + x * sx)), total(weight * (x * sy - y * sx)),
+                           total(weight * sy), total(weight * sx)], dim=-1)
+        a, b, ty, tx = torch.linalg.solve(lhs + 1e-6 * torch.eye(4, dtype=o.dtype, device=o.device),
+                                          rhs).unbind(dim=-1)
+        fy = a.view(N, 1, 1) * y + b.view(N, 1, 1) * x + ty.view(N, 1, 1)
+        fx = a.view(N, 1, 1) * x - b.view(N, 1, 1) * y + tx.view(N, 1, 1)
+        miss = (fy - sy).pow(2) + (fx - sx).pow(2)  # squared distance from the head's map
+        # the neighbourhood's sureness-weighted gain of the map over standing still, against its sureness
+        votes = _box3(torch.stack([sure * (still - miss), sure], dim=1))
+        head = votes[:, 0] > RIGID_MARGIN * votes[:, 1]  # (N, h, w): the cells the head holds
+        held = head.flatten(1).float().mean(dim=1)
+        head = head & (held >= RIGID_HEAD_SHARE).view(N, 1, 1)  # a few cells moving alone: a mouth, not a head
+        weight = sure / (1.0 + miss / RIGID_ROBUST_CELLS**2) * head
+    rigid = torch.stack([fy - y, fx - x], dim=1)
+    return torch.where(head[:, None], rigid, torch.zeros_like(rigid)).to(dtype)
+
+
+def _box3(t: Tensor) -> Tensor:
+    """Each cell's sum over its 3x3 neighbourhood (zero beyond the map) of ``(..., h, w)``, separably:
+    ``avg_pool2d`` took 1.4 ms a (4, 2, 64, 64) map against this one's 0.5 (one thread, loaded machine)."""
+    p = F.pad(t, (1, 1, 1, 1))
+    rows = p[..., :-2, :] + p[..., 1:-1, :] + p[..., 2:, :]
+    return rows[..., :-2] + rows[..., 1:-1] + rows[..., 2:]
 
 
 class CausalVAE(nn.Module):

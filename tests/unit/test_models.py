@@ -142,13 +142,13 @@ def test_sr_frames_are_independent(mods: dict[str, torch.nn.Module], preset: Mod
     assert (other - one).abs().max() > 1e-4
 
 
-def _window_attention_by_hand(win: ReferenceWindowAttention, z: Tensor, ref: Tensor) -> Tensor:
-    """The window step written cell by cell: softmax over the window's cells inside the latent only."""
+def _window_attention_weights(win: ReferenceWindowAttention, z: Tensor, ref: Tensor) -> Tensor:
+    """The window's attention written cell by cell ``(N, heads, K, H, W)``: softmax over the window's
+    cells inside the latent only, zero on the offsets outside it."""
     N, C, H, W = z.shape
     B, r, heads, hd = ref.shape[0], win.radius, win.num_heads, win.HEAD_DIM
-    q = win.q(z) / hd**0.5
-    k, v = win.kv(ref).chunk(2, dim=1)
-    read = torch.zeros(N, win.dim, H, W)
+    q, k = win.q(z) / hd**0.5, win.kv(ref).chunk(2, dim=1)[0]
+    out = torch.zeros(N, heads, (2 * r + 1) ** 2, H, W)
     for n in range(N):
         b = n // (N // B)
         for y in range(H):
@@ -160,8 +160,22 @@ def _window_attention_by_hand(win: ReferenceWindowAttention, z: Tensor, ref: Ten
                     sl = slice(h * hd, (h + 1) * hd)
                     logits = torch.stack([(q[n, sl, y, x] * k[b, sl, yy, xx]).sum() + win.pos_bias[h, i]
                                           for i, yy, xx in cells])
-                    w = logits.softmax(0)
-                    read[n, sl, y, x] = sum(w[j] * v[b, sl, yy, xx] for j, (_, yy, xx) in enumerate(cells))
+                    out[n, h, [i for i, _, _ in cells], y, x] = logits.softmax(0)
+    return out
+
+
+def _window_attention_by_hand(win: ReferenceWindowAttention, z: Tensor, ref: Tensor) -> Tensor:
+    """The window step written cell by cell, from :func:`_window_attention_weights`."""
+    N, C, H, W = z.shape
+    B, r, hd = ref.shape[0], win.radius, win.HEAD_DIM
+    attn = _window_attention_weights(win, z, ref)
+    v = torch.nn.functional.pad(win.kv(ref).chunk(2, dim=1)[1], (r, r, r, r))  # zero outside: its weights are zero there
+    read = torch.zeros(N, win.dim, H, W)
+    for n in range(N):
+        b = n // (N // B)
+        for i, (dy, dx) in enumerate((dy, dx) for dy in range(2 * r + 1) for dx in range(2 * r + 1)):
+            a = attn[n, :, i].repeat_interleave(hd, dim=0)  # (dim, H, W): each head's weight on its channels
+            read[n] += a * v[b, :, dy:dy + H, dx:dx + W]
     return z + win.out(torch.nn.functional.gelu(win.out_in(torch.cat([read, z], dim=1))))
 
 
@@ -183,9 +197,17 @@ def test_sr_reference_window_reads_the_reference_near_each_cell(preset: ModelPre
         keys = win.read(ref)
         torch.testing.assert_close(win(z, keys), out, atol=1e-5, rtol=0)
         torch.testing.assert_close(win(z.contiguous(memory_format=torch.channels_last), keys), out, atol=1e-5, rtol=0)
-        (_, slid), (_, gathered) = win.forward_with_offset(z, ref), win.forward_with_offset(z, keys)
+        (_, slid, slid_spread), (_, gathered, spread) = win.forward_with_offset(z, ref), win.forward_with_offset(z, keys)
         torch.testing.assert_close(gathered, slid, atol=1e-5, rtol=0)
+        torch.testing.assert_close(spread, slid_spread, atol=1e-4, rtol=0)
         assert slid.shape == (4, 2, 7, 6) and float(slid.abs().max()) > 0.1
+        # the spread is the attention's variance over the window's offsets, averaged over the heads
+        attn = _window_attention_weights(win, z, ref)  # (N, heads, K, H, W)
+        shifts = win._shifts(attn)
+        mean = torch.einsum("nhkyx,kc->nhcyx", attn, shifts)
+        var = torch.einsum("nhkyx,k->nhyx", attn, shifts.pow(2).sum(dim=1)) - mean.pow(2).sum(dim=2)
+        torch.testing.assert_close(spread[:, 0], var.mean(dim=1), atol=1e-4, rtol=0)
+        assert float(spread.min()) >= 0.0 and float(spread.max()) > 0.1
         with pytest.raises(ValueError, match="pass one reference per T frames, at the frames' resolution"):
             win(z[:, :, :6], keys)
         # a reference cell reaches an output cell only within radius + 3 (the k/v conv, the two out convs)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
 
 from models.layers import WindowKeys
 from models.presets import VAEConfig, get_preset
-from models.vae import CausalVAE
+from models.vae import CausalVAE, rigid_read
 
 SPLITS = [
     [7],
@@ -167,7 +168,7 @@ def test_the_reference_warp_copies_the_reference_from_where_the_window_read() ->
     the output is the reference moved by that many cells."""
     base = plain_cfg()
     torch.manual_seed(6)
-    vae = CausalVAE(dataclasses.replace(base, ref_window_radius=1, ref_warp=True)).eval()
+    vae = CausalVAE(dataclasses.replace(base, ref_window_radius=1, ref_warp=True, ref_warp_rigid=False)).eval()
     plain = CausalVAE(dataclasses.replace(base, ref_window_radius=1)).eval()
     plain.load_state_dict(vae.state_dict(), strict=False)
     z, ref = torch.randn(1, base.latent_channels, 2, 8, 8), torch.rand(1, 3, 64, 64) * 2 - 1
@@ -180,7 +181,7 @@ def test_the_reference_warp_copies_the_reference_from_where_the_window_read() ->
         win.pos_bias.zero_()
         win.pos_bias[:, 7] = 1e4  # offset index 7 of the 3x3 window: one cell down (dy = +1, dx = 0)
         feats = vae.reference_features(ref)  # gathered keys hold the bias they were gathered with
-        _, offset = win.forward_with_offset(torch.randn(2, base.dec_channels[-2], 16, 16), feats.source)
+        _, offset, _ = win.forward_with_offset(torch.randn(2, base.dec_channels[-2], 16, 16), feats.source)
         assert offset.shape == (2, 2, 16, 16)
         torch.testing.assert_close(offset[:, :, :15], torch.tensor([1.0, 0.0]).view(1, 2, 1, 1).expand(2, 2, 15, 16))
         gate.bias.fill_(2.0)  # fully open (the blend is clamped to [0, 1])
@@ -197,3 +198,61 @@ def test_the_reference_warp_copies_the_reference_from_where_the_window_read() ->
                                atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="ref_warp: the warp follows where the reference window read"):
         CausalVAE(dataclasses.replace(base, ref_warp=True))
+
+
+def test_the_rigid_read_is_the_heads_motion_fitted_through_jitter_and_outliers() -> None:
+    """``ref_warp_rigid`` (``rigid_read``): a frame's read is two layers, a head moved by the similarity
+    map fitted to the reads it holds (weighted by how sure each cell's attention is, robust to a mouth
+    that moves on its own) and what stands still, read in place; each cell goes with its neighbourhood.
+    A head moving over a still background is followed through the jitter, the background stays put,
+    and a head that did not move is read in place, whatever the jitter and the mouth."""
+    g = torch.Generator().manual_seed(3)
+    h = w = 32
+    ys, xs = torch.meshgrid(torch.arange(h) - 15.5, torch.arange(w) - 15.5, indexing="ij")
+    ang, scale, ty, tx = math.radians(3.0), 1.02, 1.2, -0.7
+    a, b = scale * math.cos(ang), scale * math.sin(ang)
+    true = torch.stack([a * ys + b * xs + ty - ys, a * xs - b * ys + tx - xs])  # (2, h, w): dy, dx in cells
+    r2 = ys.pow(2) + xs.pow(2)
+    head = r2 < 13**2  # a third of the map, as tiny's heads
+    sure = torch.zeros(h, w, dtype=torch.bool)
+    sure[::3, ::3] = True  # a few cells with something to match (features, the background's pattern)
+    mouth = torch.zeros(h, w, dtype=torch.bool)
+    mouth[23:26, 12:20] = True
+    near_mouth = torch.nn.functional.max_pool2d(mouth[None, None].float(), 5, stride=1, padding=2)[0, 0] > 0
+    spread = torch.where(sure | mouth, 0.05, 3.0)[None]
+    jitter = torch.where(sure, 0.02, 0.8) * torch.randn(2, h, w, generator=g)
+    moving = torch.where(head, true, torch.zeros(2, h, w)) + jitter
+    moving[:, mouth] = 2.5  # moves on its own, and its attention is sure of it
+    still = jitter.clone()  # the same head, not moved
+    still[:, mouth] = 0.7
+    out = rigid_read(torch.stack([moving, still]), torch.stack([spread, spread]))
+    assert out.shape == (2, 2, h, w)
+    inside = (r2 < 11**2) & ~near_mouth  # two cells in from the edge, where a neighbourhood is all head
+    err = (out[0] - true).pow(2).sum(dim=0).sqrt()[inside]
+    raw = (moving - true).pow(2).sum(dim=0).sqrt()[inside & ~sure]
+    assert float(err.max()) < 0.25 and float(err.mean()) < 0.15 < 0.8 < float(raw.mean())  # the jitter is gone
+    assert float(out[0][:, r2 > 14.5**2].abs().max()) == 0.0  # the background stays put
+    assert float(out[1].abs().max()) == 0.0 < 0.5 < float(still[:, ~sure].abs().mean())  # read in place
+    # a decoder asked to read rigidly copies from (and decode(offsets=) hands out) the fitted read: with
+    # its attention held one cell down, every cell reads one cell down, the last row too (whose window
+    # has no cell below: the free read there is elsewhere)
+    base = plain_cfg()
+    reads = {}
+    for rigid in (False, True):
+        torch.manual_seed(6)
+        vae = CausalVAE(dataclasses.replace(base, ref_window_radius=1, ref_warp=True, ref_warp_rigid=rigid)).eval()
+        assert vae.decoder.rigid is rigid
+        win = vae.decoder.ref_window
+        assert win is not None
+        z, ref = torch.randn(1, base.latent_channels, 2, 8, 8), torch.rand(1, 3, 64, 64) * 2 - 1
+        with torch.no_grad():
+            win.pos_bias.zero_()
+            win.pos_bias[:, 7] = 1e4  # offset index 7 of the 3x3 window: one cell down
+            got: list[torch.Tensor] = []
+            vae.decode(z, reference=vae.reference_features(ref), offsets=got)
+        reads[rigid] = got[0][0]  # (T, 2, h, w)
+    down = torch.tensor([1.0, 0.0]).view(1, 2, 1, 1).expand_as(reads[True])
+    torch.testing.assert_close(reads[False][:, :, :-1], down[:, :, :-1])
+    assert float((reads[False][:, :, -1] - down[:, :, -1]).abs().max()) > 0.5
+    torch.testing.assert_close(reads[True], down, atol=0.01, rtol=0)
+    assert CausalVAE(dataclasses.replace(base, ref_warp_rigid=True)).decoder.rigid is False  # inert without the warp
