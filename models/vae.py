@@ -366,6 +366,8 @@ def rigid_read(offset_N2hw: Tensor, spread_N1hw: Tensor) -> Tensor:
         head = votes[:, 0] > RIGID_MARGIN * votes[:, 1]  # (N, h, w): the cells the head holds
         held = head.flatten(1).float().mean(dim=1)
         head = head & (held >= RIGID_HEAD_SHARE).view(N, 1, 1)  # a few cells moving alone: a mouth, not a head
+        if not bool(head.any()):  # no frame's head moved: every cell reads in place (later rounds would agree)
+            return torch.zeros_like(offset_N2hw)
         weight = sure / (1.0 + miss / RIGID_ROBUST_CELLS**2) * head
     rigid = torch.stack([fy - y, fx - x], dim=1)
     return torch.where(head[:, None], rigid, torch.zeros_like(rigid)).to(dtype)

@@ -233,6 +233,7 @@ def test_the_rigid_read_is_the_heads_motion_fitted_through_jitter_and_outliers()
     assert float(err.max()) < 0.25 and float(err.mean()) < 0.15 < 0.8 < float(raw.mean())  # the jitter is gone
     assert float(out[0][:, r2 > 14.5**2].abs().max()) == 0.0  # the background stays put
     assert float(out[1].abs().max()) == 0.0 < 0.5 < float(still[:, ~sure].abs().mean())  # read in place
+    assert torch.equal(rigid_read(still[None], spread[None]), torch.zeros(1, 2, h, w))  # alone: its early exit
     # a decoder asked to read rigidly copies from (and decode(offsets=) hands out) the fitted read: with
     # its attention held one cell down, every cell reads one cell down, the last row too (whose window
     # has no cell below: the free read there is elsewhere)
