@@ -277,18 +277,18 @@ class ReferenceWindowAttention(nn.Module):
         the attention spreads over neighbours), and how far the attention spreads around it ``(B*T, 1,
         H, W)``: its variance in cells², averaged over the heads (near 0 where a cell matched one place,
         large on flat skin, where every offset matches)."""
-        out, read = self._attend(z_NCHW, ref, True)
-        assert read is not None
-        return out, read[0], read[1]
+        out, where = self._attend(z_NCHW, ref, True)
+        assert where is not None
+        return out, where[0], where[1]
 
     def _attend(self, z_NCHW: Tensor, ref: Tensor | WindowKeys, with_offset: bool
                 ) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
         """The frames with the residual added, and the expected offset and its spread when asked."""
         if isinstance(ref, Tensor):
-            read, offset = self._slide(z_NCHW, ref, with_offset)
+            read, where = self._slide(z_NCHW, ref, with_offset)
         else:
-            read, offset = self._gathered(z_NCHW, ref, with_offset)
-        return z_NCHW + self.out(F.gelu(self.out_in(torch.cat([read, z_NCHW], dim=1)))), offset
+            read, where = self._gathered(z_NCHW, ref, with_offset)
+        return z_NCHW + self.out(F.gelu(self.out_in(torch.cat([read, z_NCHW], dim=1)))), where
 
     @staticmethod
     def _moments(attn: Tensor, shifts: Tensor) -> tuple[Tensor, Tensor]:
@@ -326,12 +326,12 @@ class ReferenceWindowAttention(nn.Module):
         read = attn[:, :, :, 0, None] * v_pad[..., :H, :W]
         for i, (dy, dx) in enumerate(offsets[1:], 1):
             read = read + attn[:, :, :, i, None] * v_pad[..., dy:dy + H, dx:dx + W]
-        offset = None
+        where = None  # the expected offset and its spread, averaged over the heads
         if with_offset:
             mean, var = self._moments(attn.movedim(3, -1), self._shifts(attn))  # (B, T, heads, H, W, 2 | 1)
-            offset = (mean.mean(dim=2).movedim(-1, 2).reshape(N, 2, H, W),
-                      var.mean(dim=2).movedim(-1, 2).reshape(N, 1, H, W))
-        return read.reshape(N, self.dim, H, W), offset
+            where = (mean.mean(dim=2).movedim(-1, 2).reshape(N, 2, H, W),
+                     var.mean(dim=2).movedim(-1, 2).reshape(N, 1, H, W))
+        return read.reshape(N, self.dim, H, W), where
 
     def _gathered(self, z_NCHW: Tensor, keys: WindowKeys, with_offset: bool
                   ) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
@@ -351,9 +351,9 @@ class ReferenceWindowAttention(nn.Module):
                                keys.k.reshape(-1, hd, K), alpha=1 / math.sqrt(hd))
         attn = logits.softmax(dim=-1).view(B, heads, HW, T, K)
         read = (attn @ keys.v).permute(0, 3, 2, 1, 4).reshape(N, H, W, self.dim).permute(0, 3, 1, 2)
-        offset = None
+        where = None  # as in _slide
         if with_offset:
             mean, var = self._moments(attn, self._shifts(attn))  # (B, heads, HW, T, 2 | 1)
-            offset = (mean.mean(dim=1).permute(0, 2, 3, 1).reshape(N, 2, H, W),
-                      var.mean(dim=1).permute(0, 2, 3, 1).reshape(N, 1, H, W))
-        return read, offset
+            where = (mean.mean(dim=1).permute(0, 2, 3, 1).reshape(N, 2, H, W),
+                     var.mean(dim=1).permute(0, 2, 3, 1).reshape(N, 1, H, W))
+        return read, where
